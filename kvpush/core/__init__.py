@@ -1,0 +1,1 @@
+"""Engine-agnostic core of kvpush: wire formats, matching, layout, transport, worker, scheduler."""

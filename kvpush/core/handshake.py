@@ -1,0 +1,138 @@
+"""The handshake side channel: each worker serves its agent info over ZMQ.
+
+A peer fetches it (on the writer's background executor, never on the writer
+itself), checks compatibility, and the writer then loads the NIXL metadata.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Annotated
+
+import msgspec
+import zmq
+
+from kvpush.core.errors import HandshakeError, LayoutError
+from kvpush.core.layout import KVLayout, check_compatible
+
+log = logging.getLogger(__name__)
+
+PROTOCOL_VERSION = 1
+MAX_INFO_BYTES = 64 << 20
+
+
+class AgentInfo(msgspec.Struct, kw_only=True):
+    """What a worker tells peers about itself."""
+
+    protocol_version: int
+    engine_id: str
+    tp_rank: Annotated[int, msgspec.Meta(ge=0)]
+    tp_size: Annotated[int, msgspec.Meta(ge=1)]
+    agent_name: str
+    nixl_metadata: bytes
+    layout: KVLayout
+
+
+class HandshakeRequest(msgspec.Struct, kw_only=True):
+    protocol_version: int
+    engine_id: str  # the asking engine, for logs
+
+
+class HandshakeReply(msgspec.Struct, kw_only=True):
+    info: AgentInfo | None = None
+    error: str | None = None
+
+
+_reply_decoder = msgspec.msgpack.Decoder(HandshakeReply)
+_request_decoder = msgspec.msgpack.Decoder(HandshakeRequest)
+_encoder = msgspec.msgpack.Encoder()
+
+
+class SideChannelServer:
+    """Answers handshake requests with a fixed AgentInfo, on its own thread."""
+
+    def __init__(self, host: str, port: int, info: AgentInfo) -> None:
+        self._info = info
+        self._stop = threading.Event()
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+        self._sock = self._ctx.socket(zmq.REP)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, 1 << 20)
+        try:
+            self._sock.bind(f"tcp://{host}:{port}")
+        except zmq.ZMQError as e:
+            self._sock.close()
+            raise HandshakeError(f"cannot bind side channel {host}:{port}: {e}") from e
+        self._thread = threading.Thread(target=self._serve, name="kvpush-side-channel", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        while not self._stop.is_set():
+            if not poller.poll(100):
+                continue
+            try:
+                raw = self._sock.recv()
+            except zmq.ZMQError as e:
+                log.warning("side channel receive failed: %s", e)
+                continue
+            self._sock.send(_encoder.encode(self._answer(raw)))
+        self._sock.close()
+
+    def _answer(self, raw: bytes) -> HandshakeReply:
+        try:
+            req = _request_decoder.decode(raw)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            log.warning("malformed handshake request rejected: %s", e)
+            return HandshakeReply(error=f"malformed request: {e}")
+        if req.protocol_version != PROTOCOL_VERSION:
+            return HandshakeReply(
+                error=f"protocol version {req.protocol_version} != {PROTOCOL_VERSION}"
+            )
+        log.debug("handshake from engine %s", req.engine_id)
+        return HandshakeReply(info=self._info)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2)
+
+
+def fetch_agent_info(
+    host: str, port: int, engine_id: str, timeout_s: float, local: KVLayout | None = None
+) -> AgentInfo:
+    """Ask a peer's side channel for its AgentInfo; raise HandshakeError on any failure.
+
+    With ``local`` given, the peer's layout must be writable from ours.
+    """
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+    sock = ctx.socket(zmq.REQ)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_INFO_BYTES)
+    try:
+        sock.connect(f"tcp://{host}:{port}")
+        req = HandshakeRequest(protocol_version=PROTOCOL_VERSION, engine_id=engine_id)
+        sock.send(_encoder.encode(req))
+        if not sock.poll(int(timeout_s * 1000)):
+            raise HandshakeError(f"no handshake answer from {host}:{port} in {timeout_s:.1f}s")
+        reply = _reply_decoder.decode(sock.recv())
+    except zmq.ZMQError as e:
+        raise HandshakeError(f"handshake with {host}:{port}: {e}") from e
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise HandshakeError(f"malformed handshake reply from {host}:{port}: {e}") from e
+    finally:
+        sock.close()
+    if reply.error is not None or reply.info is None:
+        raise HandshakeError(f"{host}:{port} refused the handshake: {reply.error}")
+    info = reply.info
+    if info.protocol_version != PROTOCOL_VERSION:
+        raise HandshakeError(
+            f"{host}:{port} speaks protocol {info.protocol_version}, we {PROTOCOL_VERSION}"
+        )
+    if local is not None:
+        try:
+            check_compatible(local, info.layout)
+        except LayoutError as e:
+            raise HandshakeError(f"{host}:{port} ({info.engine_id}) is incompatible: {e}") from e
+    return info

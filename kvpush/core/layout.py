@@ -1,0 +1,170 @@
+"""KV memory described as typed regions, and the WRITE descriptors between two layouts.
+
+A region is one contiguous allocation (for example the K cache of one layer)
+holding ``num_blocks`` physical blocks of ``block_len`` bytes each. Schedulers
+speak *logical* block ids; each logical block is ``physical_per_logical``
+consecutive physical blocks. Descriptors are built in bytes, so P and D may use
+different physical block sizes as long as a logical block holds the same bytes.
+Contiguous runs on both sides become one descriptor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Annotated, Literal
+
+import msgspec
+import numpy as np
+
+from kvpush.core.errors import LayoutError
+
+MemType = Literal["DRAM", "VRAM"]
+Pos = Annotated[int, msgspec.Meta(ge=1)]
+NonNeg = Annotated[int, msgspec.Meta(ge=0)]
+
+
+class Region(msgspec.Struct, frozen=True):
+    """One registered allocation: ``num_blocks`` blocks of ``block_len`` bytes from ``base_addr``."""
+
+    name: str
+    base_addr: NonNeg
+    block_len: Pos
+    num_blocks: Pos
+    device_id: NonNeg = 0
+    group: NonNeg = 0  # KV-cache group whose block ids index this region
+
+    @property
+    def nbytes(self) -> int:
+        return self.block_len * self.num_blocks
+
+
+class KVLayout(msgspec.Struct, frozen=True):
+    """Everything a peer needs to know about our KV memory."""
+
+    regions: list[Region]
+    block_size: Pos  # tokens per logical block
+    physical_per_logical: Pos = 1
+    mem_type: MemType = "DRAM"
+
+    def logical_bytes(self, region: int) -> int:
+        return self.regions[region].block_len * self.physical_per_logical
+
+    def num_logical_blocks(self, group: int = 0) -> int:
+        counts = [r.num_blocks for r in self.regions if r.group == group]
+        if not counts:
+            raise LayoutError(f"no region belongs to group {group}")
+        return min(counts) // self.physical_per_logical
+
+    @property
+    def groups(self) -> int:
+        return 1 + max(r.group for r in self.regions)
+
+
+def check_compatible(local: KVLayout, remote: KVLayout) -> None:
+    """Raise LayoutError unless blocks can be written from ``local`` into ``remote``."""
+    if local.block_size != remote.block_size:
+        raise LayoutError(f"block size {local.block_size} != peer's {remote.block_size} tokens")
+    if local.mem_type != remote.mem_type and "VRAM" not in (local.mem_type, remote.mem_type):
+        raise LayoutError(f"memory type {local.mem_type} != peer's {remote.mem_type}")
+    if len(local.regions) != len(remote.regions):
+        raise LayoutError(f"{len(local.regions)} regions != peer's {len(remote.regions)}")
+    for i, (a, b) in enumerate(zip(local.regions, remote.regions, strict=True)):
+        if a.name != b.name or a.group != b.group:
+            raise LayoutError(f"region {i}: {a.name}/g{a.group} != peer's {b.name}/g{b.group}")
+        if local.logical_bytes(i) != remote.logical_bytes(i):
+            raise LayoutError(
+                f"region {a.name}: {local.logical_bytes(i)} bytes per block != "
+                f"peer's {remote.logical_bytes(i)}"
+            )
+
+
+def validate_block_ids(layout: KVLayout, groups: Sequence[Sequence[int]]) -> None:
+    """Raise LayoutError if the logical ids do not fit ``layout`` (range, duplicates, groups)."""
+    if len(groups) != layout.groups:
+        raise LayoutError(f"{len(groups)} block-id groups for a layout of {layout.groups}")
+    for g, ids in enumerate(groups):
+        if not ids:
+            continue
+        arr = np.asarray(ids, dtype=np.int64)
+        limit = layout.num_logical_blocks(g)
+        if arr.min() < 0 or arr.max() >= limit:
+            raise LayoutError(f"group {g}: block id outside [0, {limit})")
+        if np.unique(arr).size != arr.size:
+            raise LayoutError(f"group {g}: duplicate block ids")
+
+
+def expand(logical: Sequence[int] | np.ndarray, ratio: int) -> np.ndarray:
+    """Logical block ids to physical ones: block b becomes b*ratio .. b*ratio+ratio-1."""
+    ids = np.asarray(logical, dtype=np.int64)
+    if ratio == 1:
+        return ids
+    return (ids[:, None] * ratio + np.arange(ratio, dtype=np.int64)).ravel()
+
+
+def extents(region: Region, physical: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Coalesced (start address, length) of the given blocks, in list order."""
+    if physical.size == 0:
+        empty = np.zeros(0, dtype=np.int64)
+        return empty, empty
+    breaks = np.flatnonzero(np.diff(physical) != 1) + 1
+    starts = np.concatenate(([0], breaks))
+    ends = np.concatenate((breaks, [physical.size]))
+    addr = region.base_addr + physical[starts] * region.block_len
+    return addr.astype(np.int64), ((ends - starts) * region.block_len).astype(np.int64)
+
+
+def pair_extents(
+    src: tuple[np.ndarray, np.ndarray], dst: tuple[np.ndarray, np.ndarray]
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Split two extent lists of equal total length at the union of their boundaries.
+
+    Returns (src addresses, dst addresses, lengths): the i-th byte of the source
+    stream lands on the i-th byte of the destination stream.
+    """
+    (s_addr, s_len), (d_addr, d_len) = src, dst
+    s_end, d_end = np.cumsum(s_len), np.cumsum(d_len)
+    total = int(s_end[-1]) if s_end.size else 0
+    if total != (int(d_end[-1]) if d_end.size else 0):
+        raise LayoutError("source and destination hold different numbers of bytes")
+    if total == 0:
+        empty = np.zeros(0, dtype=np.int64)
+        return empty, empty, empty
+    bounds = np.union1d(s_end, d_end)
+    starts = np.concatenate(([0], bounds[:-1]))
+    si = np.searchsorted(s_end, starts, side="right")
+    di = np.searchsorted(d_end, starts, side="right")
+    s_off = starts - (s_end[si] - s_len[si])
+    d_off = starts - (d_end[di] - d_len[di])
+    return s_addr[si] + s_off, d_addr[di] + d_off, bounds - starts
+
+
+def build_write_descs(
+    local: KVLayout,
+    remote: KVLayout,
+    src_groups: Sequence[Sequence[int]],
+    dst_groups: Sequence[Sequence[int]],
+) -> tuple[np.ndarray, np.ndarray]:
+    """Nx3 (address, length, device) arrays for WRITEs of local blocks into remote blocks.
+
+    ``src_groups[g][i]`` is written into ``dst_groups[g][i]`` in every region of group g.
+    """
+    validate_block_ids(local, src_groups)
+    validate_block_ids(remote, dst_groups)
+    src_parts, dst_parts = [], []
+    for lr, rr in zip(local.regions, remote.regions, strict=True):
+        src_ids, dst_ids = src_groups[lr.group], dst_groups[rr.group]
+        if len(src_ids) != len(dst_ids):
+            raise LayoutError(
+                f"region {lr.name}: {len(src_ids)} source blocks, {len(dst_ids)} destination"
+            )
+        if not len(src_ids):
+            continue
+        s = extents(lr, expand(src_ids, local.physical_per_logical))
+        d = extents(rr, expand(dst_ids, remote.physical_per_logical))
+        sa, da, ln = pair_extents(s, d)
+        src_parts.append(np.stack([sa, ln, np.full_like(sa, lr.device_id)], axis=1))
+        dst_parts.append(np.stack([da, ln, np.full_like(da, rr.device_id)], axis=1))
+    if not src_parts:
+        empty = np.zeros((0, 3), dtype=np.int64)
+        return empty, empty.copy()
+    return np.concatenate(src_parts), np.concatenate(dst_parts)

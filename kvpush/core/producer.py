@@ -1,0 +1,347 @@
+"""P side of the writer: match finished blocks with D's registrations and WRITE them.
+
+Owned by the writer thread; the engine thread only puts onto the inboxes.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from collections import defaultdict
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from kvpush.core import wire
+from kvpush.core.errors import HandshakeError, LayoutError, PeerGoneError, TransportError
+from kvpush.core.ids import Key, MatchTable
+from kvpush.core.layout import build_write_descs
+from kvpush.core.transport import WriteState
+from kvpush.core.types import ENDED, StagedBlocks, State, transition
+
+if TYPE_CHECKING:
+    from kvpush.core.worker import Peer, PushWorker
+
+log = logging.getLogger(__name__)
+
+DKey = tuple[str, str]  # (D agent that registered, D request id)
+
+
+@dataclass
+class PendingReg:
+    reg: wire.PushReg
+    sender: str
+    arrived: float
+
+
+@dataclass
+class PushTransfer:
+    """One P request on its way into one D registration."""
+
+    prid: str
+    blocks: list[list[int]]
+    tid: str | None
+    state: State = State.STAGED
+    reg: wire.PushReg | None = None
+    sender: str = ""
+    handle: Any = None
+    cancelled: bool = False  # D cancelled while the WRITE was in flight
+    staged_at: float = field(default_factory=time.monotonic)
+
+    @property
+    def name(self) -> str:
+        return self.tid or self.prid
+
+
+class Producer:
+    def __init__(self, worker: PushWorker) -> None:
+        self.w = worker
+        self.finished_blocks_inbox: queue.SimpleQueue[StagedBlocks] = queue.SimpleQueue()
+        self.evict_finished_inbox: queue.SimpleQueue[str] = queue.SimpleQueue()
+        # (transfer or None for a prefetch, host, port, handshake future)
+        self.deferred_push_inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.staged: MatchTable[PushTransfer] = MatchTable()
+        self.pending_regs: MatchTable[PendingReg] = MatchTable()
+        self.by_prid: dict[str, PushTransfer] = {}
+        self.by_dkey: dict[DKey, PushTransfer] = {}
+        self.writing: dict[str, PushTransfer] = {}
+        self.tombstones: dict[DKey, float] = {}  # cancelled registrations, until expiry
+        self.evicted_unknown: set[str] = set()  # evicted before their blocks reached us
+        self.outbox: dict[tuple[str, int], list[wire.Message]] = defaultdict(list)
+
+    def has_unmatched(self) -> bool:
+        return len(self.staged) > 0
+
+    # ---- inboxes -------------------------------------------------------------------------
+
+    def on_finished(self, staged: StagedBlocks) -> None:
+        if staged.request_id in self.evicted_unknown:
+            self.evicted_unknown.discard(staged.request_id)
+            log.warning(
+                "request %s staged after its eviction; its blocks are freed", staged.request_id
+            )
+            return
+        if staged.request_id in self.by_prid:
+            log.warning("request %s staged twice; ignoring the second", staged.request_id)
+            return
+        t = PushTransfer(staged.request_id, staged.block_ids, staged.transfer_id)
+        transition(t, State.STAGED, t.name)
+        key = Key(t.prid, t.tid)
+        pend = self.pending_regs.pop(key)
+        if pend is None and self.staged.find(key) is not None and t.tid is not None:
+            log.warning("transfer id %s staged twice; ignoring %s", t.tid, t.prid)
+            return
+        self.by_prid[t.prid] = t
+        if pend is not None:
+            self._match(t, pend)
+        else:
+            self.staged.add(key, t)
+
+    def on_evict(self, prid: str) -> None:
+        t = self.by_prid.get(prid)
+        if t is None:
+            self.evicted_unknown.add(prid)
+            self.w.emit("sent", prid)  # nothing of ours holds it
+            return
+        if t.state is State.WRITING:
+            return  # the WRITE's outcome finishes it; its source blocks stay held until then
+        transition(t, State.EXPIRED, t.name, "lease expired")
+        self._fail_to_d(t, "lease expired on the prefiller")
+        self._finish(t)
+
+    def on_deferred(self, item: tuple[PushTransfer | None, str, int, Future[Any]]) -> None:
+        t, host, port, fut = item
+        try:
+            peer = self.w.load_peer(host, port, fut)
+        except (HandshakeError, TransportError) as e:
+            self.w.stats["handshake_failed"] += 1
+            dropped = self.outbox.pop((host, port), [])
+            log.warning(
+                "push_handshake_failed %s:%d: %s (%d notices dropped)", host, port, e, len(dropped)
+            )
+            if t is not None and t.state not in ENDED:
+                transition(t, State.FAILED, t.name, "handshake with D failed")
+                self._finish(t)
+            return
+        for msg in self.outbox.pop((host, port), []):
+            self.w.notify(peer.agent, msg)
+        if t is not None:
+            self._push(t)
+
+    # ---- notifications from D ------------------------------------------------------------
+
+    def on_push_reg(self, sender: str, reg: wire.PushReg) -> None:
+        dkey = (sender, reg.request_id)
+        key = Key(reg.request_id, reg.transfer_id)
+        if dkey in self.tombstones:
+            self.w.stats["reg_after_cancel"] += 1
+            log.warning("registration %s from %s arrived after its cancel; ignored", key, sender)
+            return
+        if dkey in self.by_dkey or self.pending_regs.find(key) is not None:
+            self.w.stats["reg_duplicate"] += 1
+            log.warning("duplicate registration %s from %s ignored", key, sender)
+            return
+        pend = PendingReg(reg, sender, time.monotonic())
+        t = self.staged.pop(key)
+        if t is not None:
+            self._match(t, pend)
+            return
+        self.pending_regs.add(key, pend)
+        # Handshake with D now, so the WRITE can start the moment P's blocks are ready.
+        self._prefetch(reg.decode_host, reg.decode_port)
+
+    def on_cancel(self, sender: str, msg: wire.PushCancel) -> None:
+        dkey = (sender, msg.request_id)
+        self.tombstones[dkey] = time.monotonic() + self.w.config.registration_ttl_s
+        ack = wire.PushFail(
+            request_id=msg.request_id,
+            reason="cancelled",
+            transfer_id=msg.transfer_id,
+            tp_rank=self.w.config.tp_rank,
+        )
+        pend = self.pending_regs.pop(Key(msg.request_id, msg.transfer_id))
+        if pend is not None and pend.sender == sender:
+            self._send_to(pend.reg, ack)
+            return
+        if pend is not None:  # another D's registration: keep it
+            self.pending_regs.add(Key(pend.reg.request_id, pend.reg.transfer_id), pend)
+        t = self.by_dkey.get(dkey)
+        if t is None:
+            if sender in self.w.peers_by_agent:  # nothing of ours can touch its blocks
+                self.w.notify(sender, ack)
+            return
+        if t.state is State.WRITING:
+            t.cancelled = True  # the WRITE's completion or failure answers D
+            return
+        transition(t, State.CANCELLED, t.name, "D cancelled")
+        assert t.reg is not None
+        self._send_to(t.reg, ack)
+        self._finish(t)
+
+    def on_heartbeat(self, sender: str, hb: wire.Heartbeat) -> None:
+        for e in hb.entries:
+            t = self.by_dkey.get((sender, e.request_id))
+            if t is None:
+                t = self.staged.find(Key(e.request_id, e.transfer_id))
+            if t is not None:
+                self.w.emit("renewed", t.prid)
+
+    # ---- timers --------------------------------------------------------------------------
+
+    def on_timer(self, now: float) -> None:
+        ttl = self.w.config.registration_ttl_s
+        for key, pend in self.pending_regs.items():
+            if now - pend.arrived > ttl:
+                self.pending_regs.pop(key)
+                self.w.stats["reg_expired"] += 1
+                log.warning("registration %s waited %.0fs for prefill blocks; failing it", key, ttl)
+                self._send_to(
+                    pend.reg,
+                    wire.PushFail(
+                        request_id=pend.reg.request_id,
+                        reason="no prefill blocks in time",
+                        transfer_id=pend.reg.transfer_id,
+                        tp_rank=self.w.config.tp_rank,
+                    ),
+                )
+        for dkey, until in list(self.tombstones.items()):
+            if until < now:
+                del self.tombstones[dkey]
+        held: dict[str, list[wire.HbEntry]] = defaultdict(list)
+        for pend in self.pending_regs.values():
+            held[pend.sender].append(wire.HbEntry(pend.reg.request_id, pend.reg.transfer_id))
+        for (sender, d_rid), t in self.by_dkey.items():
+            held[sender].append(wire.HbEntry(d_rid, t.tid))
+        for sender, entries in held.items():
+            if sender in self.w.peers_by_agent:
+                self.w.notify(sender, wire.Heartbeat(entries=entries))
+
+    # ---- matching and writing ------------------------------------------------------------
+
+    def _match(self, t: PushTransfer, pend: PendingReg) -> None:
+        t.reg, t.sender = pend.reg, pend.sender
+        self.by_dkey[(pend.sender, pend.reg.request_id)] = t
+        transition(t, State.MATCHED, t.name, f"with D request {pend.reg.request_id}")
+        self._push(t)
+
+    def _push(self, t: PushTransfer) -> None:
+        if t.state in ENDED:
+            log.debug("transfer %s ended (%s) before its WRITE; dropped", t.name, t.state.value)
+            return
+        reg = t.reg
+        assert reg is not None
+        peer = self.w.ensure_peer(
+            reg.decode_host,
+            reg.decode_port,
+            lambda f: self.deferred_push_inbox.put((t, reg.decode_host, reg.decode_port, f)),
+        )
+        if peer is None:
+            transition(t, State.DEFERRED, t.name, "waiting for handshake with D")
+            return
+        if peer.agent != t.sender:
+            self.w.stats["reg_wrong_sender"] += 1
+            self._fail(t, peer, f"registration sent by {t.sender}, not by {peer.agent}")
+            return
+        try:
+            src, dst = self._descs(t, reg, peer)
+            notif = wire.encode_completion(reg.request_id, self.w.config.tp_size)
+        except (LayoutError, wire.WireError) as e:
+            self.w.stats["reg_invalid"] += 1
+            self._fail(t, peer, f"invalid registration: {e}")
+            return
+        try:
+            t.handle = self.w.transport.write(peer.agent, src, dst, notif)
+        except TransportError as e:
+            self.w.stats["write_failed"] += 1
+            if isinstance(e, PeerGoneError):
+                self.w.forget_peer(peer.agent)
+            self._fail(t, peer, f"WRITE could not be posted: {e}")
+            return
+        self.writing[t.prid] = t
+        self.w.stats["writes"] += 1
+        self.w.stats["write_descs"] += len(src)
+        self.w.stats["write_bytes"] += int(src[:, 1].sum()) if len(src) else 0
+        transition(t, State.WRITING, t.name, f"{len(src)} descriptors")
+
+    def _descs(self, t: PushTransfer, reg: wire.PushReg, peer: Peer) -> Any:
+        dst = reg.local_block_ids
+        if len(dst) != len(t.blocks):
+            raise LayoutError(f"{len(dst)} block groups, P holds {len(t.blocks)}")
+        src = []
+        for g, (d_ids, p_ids) in enumerate(zip(dst, t.blocks, strict=True)):
+            if len(d_ids) > len(p_ids):
+                raise LayoutError(
+                    f"group {g}: D registered {len(d_ids)} blocks, P holds {len(p_ids)}"
+                )
+            # D may already hold a prefix (its own cache): P writes the tail.
+            src.append(p_ids[len(p_ids) - len(d_ids) :])
+        return build_write_descs(self.w.layout, peer.info.layout, src, dst)
+
+    def check_writes(self) -> int:
+        changed = 0
+        for t in list(self.writing.values()):
+            try:
+                state = self.w.transport.check(t.handle)
+            except TransportError as e:
+                log.warning("write %s: %s", t.name, e)
+                state = WriteState.ERROR
+            if state is WriteState.PENDING:
+                continue
+            changed += 1
+            self.w.transport.release(t.handle)
+            t.handle = None
+            del self.writing[t.prid]
+            if state is WriteState.DONE:
+                transition(t, State.DONE, t.name)
+                self.w.stats["writes_done"] += 1
+                self._finish(t)
+            else:
+                self.w.stats["write_failed"] += 1
+                peer = self.w.peers_by_agent.get(t.sender)
+                self._fail(t, peer, "WRITE failed")
+        return changed
+
+    # ---- endings -------------------------------------------------------------------------
+
+    def _fail(self, t: PushTransfer, peer: Peer | None, reason: str) -> None:
+        log.warning("push %s failed: %s", t.name, reason)
+        transition(t, State.FAILED, t.name, reason)
+        if peer is not None and t.reg is not None:
+            self.w.notify(peer.agent, self._fail_msg(t.reg, reason))
+        self._finish(t)
+
+    def _fail_to_d(self, t: PushTransfer, reason: str) -> None:
+        if t.reg is not None:
+            self._send_to(t.reg, self._fail_msg(t.reg, reason))
+
+    def _fail_msg(self, reg: wire.PushReg, reason: str) -> wire.PushFail:
+        return wire.PushFail(
+            request_id=reg.request_id,
+            reason=reason,
+            transfer_id=reg.transfer_id,
+            tp_rank=self.w.config.tp_rank,
+        )
+
+    def _send_to(self, reg: wire.PushReg, msg: wire.Message) -> None:
+        """Notify the D of ``reg``, after its handshake if that is still running."""
+        peer = self.w.peers.get((reg.decode_host, reg.decode_port))
+        if peer is not None:
+            self.w.notify(peer.agent, msg)
+            return
+        self.outbox[(reg.decode_host, reg.decode_port)].append(msg)
+        self._prefetch(reg.decode_host, reg.decode_port)
+
+    def _prefetch(self, host: str, port: int) -> None:
+        self.w.ensure_peer(
+            host, port, lambda f: self.deferred_push_inbox.put((None, host, port, f))
+        )
+
+    def _finish(self, t: PushTransfer) -> None:
+        """Forget the transfer and let the scheduler free P's blocks."""
+        self.by_prid.pop(t.prid, None)
+        if t.reg is not None:
+            self.by_dkey.pop((t.sender, t.reg.request_id), None)
+        self.staged.pop_value(t)
+        self.writing.pop(t.prid, None)
+        self.w.emit("sent", t.prid)

@@ -1,0 +1,157 @@
+"""Scheduler-side push state, engine-agnostic: request ids and block ids in, StepMeta out.
+
+P side: blocks of finished prefills are held under a lease, renewed by D's
+heartbeats; an expired lease asks the worker to evict, and blocks are freed
+only when the worker reports them in ``finished_sending`` (so a WRITE still
+reading them is never undercut). D side: registrations are stashed for the
+worker and guarded by a watchdog renewed by P's heartbeats; an aborted request
+keeps its blocks until the worker reports them ``released``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from kvpush.core.errors import ConfigError
+from kvpush.core.types import RecvRegistration, StagedBlocks, StepMeta, WorkerOutput
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SchedulerConfig:
+    lease_s: float = 30.0  # P holds finished blocks this long without news from D
+    watchdog_s: float = 30.0  # D waits this long for P's WRITE without a heartbeat
+
+    def __post_init__(self) -> None:
+        if not self.lease_s > 0 or not self.watchdog_s > 0:
+            raise ConfigError("lease_s and watchdog_s must be > 0")
+
+
+class PushScheduler:
+    """Both roles' scheduler state; one instance per engine. Not thread-safe."""
+
+    def __init__(self, config: SchedulerConfig | None = None) -> None:
+        self.config = config or SchedulerConfig()
+        # P side
+        self._leases: dict[str, float] = {}  # request id -> deadline
+        self._held: dict[str, int] = {}  # request id -> blocks held for the push
+        self._evicting: set[str] = set()
+        self._new_finished: list[StagedBlocks] = []
+        # D side
+        self._watchdogs: dict[str, float] = {}
+        self._new_regs: list[RecvRegistration] = []
+        self._new_cancels: list[str] = []
+        self._aborted: set[str] = set()
+        self._expired: set[str] = set()
+
+    # ---- P -------------------------------------------------------------------------------
+
+    def request_finished(
+        self,
+        request_id: str,
+        block_ids: list[list[int]],
+        transfer_id: str | None = None,
+        now: float | None = None,
+    ) -> bool:
+        """A prefill finished: hold its blocks for the push. Returns True (free later)."""
+        if request_id in self._held:
+            log.warning("request %s finished twice; ignoring", request_id)
+            return True
+        now = time.monotonic() if now is None else now
+        self._leases[request_id] = now + self.config.lease_s
+        self._held[request_id] = sum(len(g) for g in block_ids)
+        self._new_finished.append(StagedBlocks(request_id, block_ids, transfer_id))
+        return True
+
+    # ---- D -------------------------------------------------------------------------------
+
+    def add_registration(self, reg: RecvRegistration, now: float | None = None) -> None:
+        """D allocated blocks for a request whose KV P will push."""
+        if reg.request_id in self._watchdogs:
+            log.warning("request %s registered twice; ignoring", reg.request_id)
+            return
+        now = time.monotonic() if now is None else now
+        self._watchdogs[reg.request_id] = now + self.config.watchdog_s
+        self._new_regs.append(reg)
+
+    def abort(self, request_id: str) -> bool:
+        """D aborts a request. True: keep its blocks until the worker reports ``released``."""
+        if request_id not in self._watchdogs or request_id in self._aborted:
+            return request_id in self._aborted
+        self._aborted.add(request_id)
+        self._new_cancels.append(request_id)
+        return True
+
+    # ---- every step ----------------------------------------------------------------------
+
+    def build_meta(self, now: float | None = None) -> StepMeta:
+        now = time.monotonic() if now is None else now
+        meta = StepMeta(
+            registrations=self._new_regs, cancels=self._new_cancels, finished=self._new_finished
+        )
+        self._new_regs, self._new_cancels, self._new_finished = [], [], []
+        for rid, deadline in list(self._leases.items()):
+            if deadline <= now and rid not in self._evicting:
+                log.warning("lease of request %s expired; evicting its push", rid)
+                self._evicting.add(rid)
+                meta.evictions.append(rid)
+        for rid, deadline in list(self._watchdogs.items()):
+            if deadline <= now:
+                log.warning("watchdog of request %s expired", rid)
+                del self._watchdogs[rid]
+                self._expired.add(rid)
+                meta.expired.append(rid)
+        return meta
+
+    def update(self, out: WorkerOutput, now: float | None = None) -> WorkerOutput:
+        """Apply the worker's report; returns it restricted to ids this scheduler tracks."""
+        now = time.monotonic() if now is None else now
+        kept = WorkerOutput()
+        for rid in out.finished_sending:
+            if self._held.pop(rid, None) is not None:
+                self._leases.pop(rid, None)
+                self._evicting.discard(rid)
+                kept.finished_sending.add(rid)
+        for rid in out.finished_recving:
+            if self._watchdogs.pop(rid, None) is not None:
+                kept.finished_recving.add(rid)
+        for rid, reason in out.failed_recving.items():
+            if self._watchdogs.pop(rid, None) is not None or rid in self._expired:
+                self._expired.discard(rid)
+                kept.failed_recving[rid] = reason
+        for rid in out.released:
+            if rid in self._aborted:
+                self._aborted.discard(rid)
+                self._watchdogs.pop(rid, None)
+                self._expired.discard(rid)
+                kept.released.add(rid)
+        for rid in out.renewed:
+            if rid in self._leases and rid not in self._evicting:
+                self._leases[rid] = now + self.config.lease_s
+                kept.renewed.add(rid)
+            if rid in self._watchdogs:
+                self._watchdogs[rid] = now + self.config.watchdog_s
+                kept.renewed.add(rid)
+        return kept
+
+    def has_pending_push_work(self) -> bool:
+        """Keep the engine stepping while any push state is in flight."""
+        return bool(
+            self._held
+            or self._watchdogs
+            or self._aborted
+            or self._expired
+            or self._new_regs
+            or self._new_cancels
+            or self._new_finished
+        )
+
+    def held_blocks(self) -> int:
+        """Blocks P still holds for pushes."""
+        return sum(self._held.values())
+
+    def pending_receives(self) -> int:
+        return len(self._watchdogs) + len(self._aborted)

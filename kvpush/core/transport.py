@@ -1,0 +1,70 @@
+"""The small transport interface the rest of kvpush talks to.
+
+``nixl_transport.NixlTransport`` is the real one; ``memory_transport`` is an
+in-process stand-in for deterministic unit tests of the state machines.
+Descriptors are Nx3 int64 arrays of (address, length, device id).
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+
+import numpy as np
+
+from kvpush.core.layout import KVLayout
+
+
+class WriteState(enum.Enum):
+    PENDING = "pending"
+    DONE = "done"
+    ERROR = "error"
+
+
+class Transport(ABC):
+    """One agent: owns registered memory, peers, WRITEs and notifications.
+
+    Not thread-safe: after ``register`` every call comes from the writer thread.
+    """
+
+    agent_name: str
+
+    @abstractmethod
+    def register(self, layout: KVLayout) -> None:
+        """Register the memory behind ``layout`` for remote WRITEs."""
+
+    @abstractmethod
+    def metadata(self) -> bytes:
+        """Opaque bytes a peer passes to ``add_peer`` to reach us."""
+
+    @abstractmethod
+    def add_peer(self, name: str, metadata: bytes) -> None:
+        """Make ``name`` reachable; replaces an older entry of the same name."""
+
+    @abstractmethod
+    def remove_peer(self, name: str) -> None:
+        """Forget a peer (it died or restarted); unknown names are ignored."""
+
+    @abstractmethod
+    def write(self, peer: str, src: np.ndarray, dst: np.ndarray, notif: bytes) -> object:
+        """Post one WRITE of src descriptors into the peer's dst; ``notif`` arrives after it."""
+
+    @abstractmethod
+    def check(self, handle: object) -> WriteState:
+        """Progress and report a posted WRITE."""
+
+    @abstractmethod
+    def release(self, handle: object) -> None:
+        """Free a WRITE handle once its outcome is known."""
+
+    @abstractmethod
+    def send_notif(self, peer: str, msg: bytes) -> None:
+        """Send a standalone notification."""
+
+    @abstractmethod
+    def get_notifs(self) -> list[tuple[str, bytes]]:
+        """Drain received notifications as (sender agent name, bytes); also progresses."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release everything; the transport is unusable afterwards."""

@@ -1,0 +1,141 @@
+"""Plain values passed between the scheduler side, the engine thread and the writer."""
+
+from __future__ import annotations
+
+import enum
+import logging
+from dataclasses import dataclass, field
+
+from kvpush.core.errors import ConfigError
+
+log = logging.getLogger("kvpush.transfer")
+
+
+class State(enum.Enum):
+    """Named states of a transfer; every change is logged at debug with the transfer id."""
+
+    REGISTERED = "registered"  # D: registration known, not yet sent to P
+    AWAITING = "awaiting"  # D: registration sent, waiting for P's WRITE
+    CANCELLING = "cancelling"  # D: aborted, waiting for P to confirm nothing is in flight
+    STAGED = "staged"  # P: blocks finished, waiting for D's registration
+    MATCHED = "matched"  # P: both halves known
+    DEFERRED = "deferred"  # P: matched, waiting for the handshake with D
+    WRITING = "writing"  # P: WRITE posted
+    DONE = "done"
+    FAILED = "failed"
+    EXPIRED = "expired"  # lease (P) or watchdog (D) ran out
+    CANCELLED = "cancelled"
+
+
+ENDED = frozenset({State.DONE, State.FAILED, State.EXPIRED, State.CANCELLED})
+
+
+def transition(obj: object, new: State, name: str, why: str = "") -> None:
+    """Set ``obj.state`` and log the change."""
+    old = getattr(obj, "state", None)
+    obj.state = new  # type: ignore[attr-defined]
+    if log.isEnabledFor(logging.DEBUG):
+        log.debug("transfer %s: %s -> %s %s", name, getattr(old, "value", old), new.value, why)
+
+
+@dataclass
+class RecvRegistration:
+    """D scheduler -> D worker: blocks pre-allocated for a request whose KV P will push."""
+
+    request_id: str
+    block_ids: list[list[int]]
+    remote_engine_id: str
+    remote_host: str
+    remote_port: int
+    remote_tp_size: int = 1
+    transfer_id: str | None = None
+
+
+@dataclass
+class StagedBlocks:
+    """P scheduler -> P worker: a finished prefill whose blocks wait to be pushed."""
+
+    request_id: str
+    block_ids: list[list[int]]
+    transfer_id: str | None = None
+
+
+@dataclass
+class StepMeta:
+    """What the scheduler hands the worker each engine step."""
+
+    registrations: list[RecvRegistration] = field(default_factory=list)
+    cancels: list[str] = field(default_factory=list)  # D request ids aborted by the engine
+    expired: list[str] = field(default_factory=list)  # D request ids past their watchdog
+    finished: list[StagedBlocks] = field(default_factory=list)
+    evictions: list[str] = field(default_factory=list)  # P request ids past their lease
+
+    def __bool__(self) -> bool:
+        return bool(
+            self.registrations or self.cancels or self.expired or self.finished or self.evictions
+        )
+
+
+@dataclass
+class WorkerOutput:
+    """What the worker reports back each engine step."""
+
+    finished_sending: set[str] = field(default_factory=set)  # P: blocks may be freed
+    finished_recving: set[str] = field(default_factory=set)  # D: KV arrived
+    failed_recving: dict[str, str] = field(default_factory=dict)  # D: id -> reason
+    released: set[str] = field(default_factory=set)  # D: aborted, no WRITE can touch blocks now
+    renewed: set[str] = field(default_factory=set)  # lease (P) / watchdog (D) heartbeats
+
+    def __bool__(self) -> bool:
+        return bool(
+            self.finished_sending
+            or self.finished_recving
+            or self.failed_recving
+            or self.released
+            or self.renewed
+        )
+
+
+@dataclass
+class WorkerConfig:
+    """Options of one worker (one TP rank). Times in seconds."""
+
+    engine_id: str
+    host: str = "127.0.0.1"
+    port: int = 5600  # this rank's handshake side channel
+    tp_rank: int = 0
+    tp_size: int = 1
+    poll_interval_s: float = 1e-4  # while WRITEs or receives are outstanding (backs off)
+    max_poll_interval_s: float = 2e-3
+    match_poll_s: float = 1e-3  # while P holds blocks no registration matched yet
+    idle_poll_s: float = 0.05
+    heartbeat_interval_s: float = 1.0
+    handshake_timeout_s: float = 5.0
+    registration_ttl_s: float = 60.0  # P drops a registration its prefill never matched
+    handshake_workers: int = 4
+
+    def __post_init__(self) -> None:
+        if not self.engine_id:
+            raise ConfigError("engine_id must not be empty")
+        if not 0 < self.port < 65536:
+            raise ConfigError(f"side-channel port {self.port} out of range")
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise ConfigError(f"tp_rank {self.tp_rank} not in [0, {self.tp_size})")
+        for name in (
+            "poll_interval_s",
+            "max_poll_interval_s",
+            "match_poll_s",
+            "idle_poll_s",
+            "heartbeat_interval_s",
+            "handshake_timeout_s",
+            "registration_ttl_s",
+        ):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.handshake_workers < 1:
+            raise ConfigError("handshake_workers must be >= 1")
+
+
+def expected_writers(p_tp: int, d_tp: int) -> int:
+    """How many P ranks write into one D rank (each sends one completion)."""
+    return max(1, p_tp // d_tp)

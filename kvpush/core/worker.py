@@ -1,0 +1,309 @@
+"""One push worker per TP rank: the engine-thread API and the writer thread.
+
+The writer thread is the only thread that touches the transport after start-up.
+The engine thread feeds it through single-consumer inboxes (``start_step``) and
+reads results back (``get_finished``). Handshakes run on a background executor;
+their done-callbacks re-enqueue the waiting operation on its replay inbox and
+wake the writer. See docs/architecture.md for the threads, queues and states.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from kvpush.core import wire
+from kvpush.core.consumer import Consumer
+from kvpush.core.errors import KVPushError, TransportError, WireError
+from kvpush.core.handshake import PROTOCOL_VERSION, AgentInfo, SideChannelServer, fetch_agent_info
+from kvpush.core.layout import KVLayout
+from kvpush.core.producer import Producer
+from kvpush.core.transport import Transport
+from kvpush.core.types import StepMeta, WorkerConfig, WorkerOutput
+
+log = logging.getLogger(__name__)
+
+PeerKey = tuple[str, int]
+
+
+@dataclass
+class Peer:
+    key: PeerKey
+    info: AgentInfo
+
+    @property
+    def agent(self) -> str:
+        return self.info.agent_name
+
+
+def make_agent_name(engine_id: str, tp_rank: int) -> str:
+    # A fresh suffix per incarnation: a restarted peer is a new agent, never a stale one.
+    return f"{engine_id}-tp{tp_rank}-{uuid.uuid4().hex[:8]}"
+
+
+class PushWorker:
+    """Engine-facing worker; call ``start_step`` and ``get_finished`` once per engine step."""
+
+    def __init__(self, config: WorkerConfig, transport: Transport, layout: KVLayout) -> None:
+        self.config = config
+        self.transport = transport
+        self.layout = layout
+        self.stats: Counter[str] = Counter()
+        transport.register(layout)
+        self.info = AgentInfo(
+            protocol_version=PROTOCOL_VERSION,
+            engine_id=config.engine_id,
+            tp_rank=config.tp_rank,
+            tp_size=config.tp_size,
+            agent_name=transport.agent_name,
+            nixl_metadata=transport.metadata(),
+            layout=layout,
+        )
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._results: queue.SimpleQueue[tuple[str, str, str]] = queue.SimpleQueue()
+        self.peers: dict[PeerKey, Peer] = {}
+        self.peers_by_agent: dict[str, Peer] = {}
+        self._hs_futures: dict[PeerKey, Future[AgentInfo]] = {}
+        self._executor = ThreadPoolExecutor(config.handshake_workers, "kvpush-handshake")
+        self.producer = Producer(self)
+        self.consumer = Consumer(self)
+        self._poll_s = config.poll_interval_s
+        self._next_timers = 0.0
+        self._server = SideChannelServer(config.host, config.port, self.info)
+        self._thread = threading.Thread(target=self._run, name="kvpush-writer", daemon=True)
+        self._thread.start()
+
+    # ---- engine thread -------------------------------------------------------------------
+
+    def start_step(self, meta: StepMeta) -> None:
+        """Hand the writer this step's new work (the design's ``start_load_kv``)."""
+        self._check_alive()
+        for reg in meta.registrations:
+            self.consumer.reg_send_inbox.put(("reg", reg, None))
+        for rid in meta.cancels:
+            self.consumer.reg_send_inbox.put(("cancel", rid, False))
+        for rid in meta.expired:
+            self.consumer.reg_send_inbox.put(("cancel", rid, True))
+        for staged in meta.finished:
+            self.producer.finished_blocks_inbox.put(staged)
+        for rid in meta.evictions:
+            self.producer.evict_finished_inbox.put(rid)
+        if meta:
+            self._wake.set()
+
+    def get_finished(self) -> WorkerOutput:
+        """Collect what finished since the last call; always wakes the writer to poll."""
+        self._check_alive()
+        out = WorkerOutput()
+        while True:
+            try:
+                kind, rid, reason = self._results.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "sent":
+                out.finished_sending.add(rid)
+            elif kind == "recv":
+                out.finished_recving.add(rid)
+            elif kind == "failed":
+                out.failed_recving[rid] = reason
+            elif kind == "released":
+                out.released.add(rid)
+            elif kind == "renewed":
+                out.renewed.add(rid)
+        self._wake.set()
+        return out
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout=5)
+        self._server.close()
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        self.transport.close()
+
+    def _check_alive(self) -> None:
+        if not self._thread.is_alive() and not self._stop.is_set():
+            raise KVPushError("kvpush writer thread is not running")
+
+    # ---- shared services for producer and consumer (writer thread) -------------------------
+
+    def emit(self, kind: str, rid: str, reason: str = "") -> None:
+        self._results.put((kind, rid, reason))
+
+    def ensure_peer(
+        self, host: str, port: int, replay: Callable[[Future[AgentInfo]], None]
+    ) -> Peer | None:
+        """The ready peer, or None after arranging ``replay(future)`` once its handshake ends."""
+        key = (host, port)
+        peer = self.peers.get(key)
+        if peer is not None:
+            return peer
+        fut = self._hs_futures.get(key)
+        if fut is None:
+            fut = self._executor.submit(
+                fetch_agent_info,
+                host,
+                port,
+                self.config.engine_id,
+                self.config.handshake_timeout_s,
+                self.layout,
+            )
+            self._hs_futures[key] = fut
+            self.stats["handshakes"] += 1
+
+        def done(f: Future[AgentInfo]) -> None:
+            replay(f)
+            self._wake.set()
+
+        fut.add_done_callback(done)
+        return None
+
+    def load_peer(self, host: str, port: int, fut: Future[AgentInfo]) -> Peer:
+        """Finish a handshake on the writer: raises HandshakeError or TransportError."""
+        key = (host, port)
+        if self._hs_futures.get(key) is fut:
+            del self._hs_futures[key]
+        peer = self.peers.get(key)
+        if peer is not None:
+            return peer
+        info = fut.result()
+        old = self.peers_by_agent.get(info.agent_name)
+        if old is not None:  # same agent reached under another address
+            self.peers[key] = old
+            return old
+        self.transport.add_peer(info.agent_name, info.nixl_metadata)
+        peer = Peer(key, info)
+        self.peers[key] = peer
+        self.peers_by_agent[info.agent_name] = peer
+        log.info("connected to %s (%s:%d)", info.agent_name, host, port)
+        return peer
+
+    def forget_peer(self, agent: str) -> None:
+        """Drop a peer that died; the next operation towards it handshakes afresh."""
+        peer = self.peers_by_agent.pop(agent, None)
+        if peer is None:
+            return
+        for key in [k for k, p in self.peers.items() if p is peer]:
+            del self.peers[key]
+        self.transport.remove_peer(agent)
+        log.warning("peer %s forgotten after a transport failure", agent)
+
+    def notify(self, agent: str, msg: wire.Message) -> bool:
+        """Send a notification; False (and the peer forgotten if dead) on failure."""
+        try:
+            self.transport.send_notif(agent, wire.encode(msg))
+            return True
+        except (TransportError, WireError) as e:
+            self.stats["notify_failed"] += 1
+            log.warning("notification %s to %s failed: %s", type(msg).__name__, agent, e)
+            if isinstance(e, TransportError):
+                self.forget_peer(agent)
+            return False
+
+    def drain(self, inbox: queue.SimpleQueue[Any], handler: Callable[[Any], None]) -> int:
+        n = 0
+        while True:
+            try:
+                item = inbox.get_nowait()
+            except queue.Empty:
+                return n
+            n += 1
+            self._guard(handler, item)
+
+    def _guard(self, fn: Callable[..., None], *args: Any) -> None:
+        try:
+            fn(*args)
+        except Exception:  # a bug handling one item must not stop the writer
+            self.stats["writer_errors"] += 1
+            log.exception("kvpush writer: %s failed", getattr(fn, "__name__", fn))
+
+    # ---- writer thread ---------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait(self._timeout())
+            self._wake.clear()
+            try:
+                self._tick()
+            except Exception:
+                self.stats["writer_errors"] += 1
+                log.exception("kvpush writer tick failed")
+
+    def _tick(self) -> None:
+        p, c = self.producer, self.consumer
+        # Finished blocks before evictions: an eviction always follows its request's staging.
+        busy = self.drain(p.finished_blocks_inbox, p.on_finished)
+        busy += self.drain(p.evict_finished_inbox, p.on_evict)
+        busy += self.drain(c.reg_send_inbox, c.on_item)
+        busy += self.drain(p.deferred_push_inbox, p.on_deferred)
+        busy += self._poll_notifs()
+        busy += p.check_writes()
+        now = time.monotonic()
+        if now >= self._next_timers:
+            self._next_timers = now + self.config.heartbeat_interval_s
+            self._guard(c.on_timer, now)
+            self._guard(p.on_timer, now)
+        # Poll fast right after activity, back off while nothing happens.
+        if busy:
+            self._poll_s = self.config.poll_interval_s
+        else:
+            self._poll_s = min(self._poll_s * 2, self.config.max_poll_interval_s)
+
+    def _timeout(self) -> float:
+        cfg = self.config
+        if self.producer.has_unmatched():
+            wait = cfg.match_poll_s
+        elif self.producer.writing or self.consumer.outstanding() or self._hs_futures:
+            wait = self._poll_s
+        else:
+            wait = cfg.idle_poll_s
+        return max(0.0, min(wait, self._next_timers - time.monotonic()))
+
+    def _poll_notifs(self) -> int:
+        try:
+            notifs = self.transport.get_notifs()
+        except TransportError as e:
+            log.warning("polling notifications failed: %s", e)
+            return 0
+        for sender, raw in notifs:
+            try:
+                msg = wire.decode(raw)
+            except WireError as e:
+                self.stats["rejected"] += 1
+                log.warning("rejected notification from %s: %s", sender, e)
+                continue
+            self._guard(self._dispatch, sender, msg)
+        return len(notifs)
+
+    def _dispatch(self, sender: str, msg: wire.Message) -> None:
+        if isinstance(msg, wire.PushReg):
+            self.producer.on_push_reg(sender, msg)
+        elif isinstance(msg, wire.Completion):
+            self.consumer.on_completion(sender, msg)
+        elif isinstance(msg, wire.PushFail):
+            self.consumer.on_push_fail(sender, msg)
+        elif isinstance(msg, wire.PushCancel):
+            self.producer.on_cancel(sender, msg)
+        elif isinstance(msg, wire.Heartbeat):
+            self.consumer.on_heartbeat(sender, msg)
+            self.producer.on_heartbeat(sender, msg)
+
+    # ---- introspection (any thread; approximate while running) -----------------------------
+
+    def snapshot(self) -> dict[str, int]:
+        return {
+            **self.stats,
+            "staged": len(self.producer.staged),
+            "pending_registrations": len(self.producer.pending_regs),
+            "writing": len(self.producer.writing),
+            "receiving": self.consumer.outstanding(),
+        }

@@ -1,0 +1,174 @@
+"""Upstream calls of the router: the prefill leg and the decode leg of one client request.
+
+Every call here is bounded by a timeout and turns every upstream failure into a
+`LegError`, so the handlers only ever see a result or a `LegError` (never a hang, never
+a raw aiohttp exception).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import aiohttp
+
+LegName = Literal["prefill", "decode"]
+# timeout: no answer in time; upstream: answered non-2xx; connection: could not talk to it.
+ErrorKind = Literal["timeout", "upstream", "connection"]
+
+# Upstream error bodies are echoed to the client for diagnosis, but bounded.
+_MAX_DETAIL = 500
+
+
+class LegError(Exception):
+    """One leg failed; carries what the client needs to know about why."""
+
+    def __init__(
+        self, leg: LegName, kind: ErrorKind, message: str, upstream_status: int | None = None
+    ) -> None:
+        super().__init__(f"{leg} leg {kind}: {message}")
+        self.leg: LegName = leg
+        self.kind: ErrorKind = kind
+        self.message = message
+        self.upstream_status = upstream_status
+
+    @property
+    def http_status(self) -> int:
+        """504 for a timeout, 502 for anything else the upstream did wrong."""
+        return 504 if self.kind == "timeout" else 502
+
+    def to_json(self, transfer_id: str) -> dict[str, Any]:
+        """OpenAI-style error object, so existing clients can parse it."""
+        err: dict[str, Any] = {
+            "message": str(self),
+            "type": "upstream_timeout" if self.kind == "timeout" else "upstream_error",
+            "code": self.http_status,
+            "leg": self.leg,
+            "kind": self.kind,
+            "transfer_id": transfer_id,
+        }
+        if self.upstream_status is not None:
+            err["upstream_status"] = self.upstream_status
+        return {"error": err}
+
+
+@dataclass(frozen=True)
+class LegResult:
+    """A complete (non-streamed) upstream answer."""
+
+    status: int
+    body: bytes
+    content_type: str
+
+
+def prefill_body(body: dict[str, Any], transfer_id: str, chat: bool) -> dict[str, Any]:
+    """The client body turned into the prefill leg: one token, no stream, push to D."""
+    out = dict(body)
+    out["max_tokens"] = 1
+    if chat and "max_completion_tokens" in out:
+        out["max_completion_tokens"] = 1
+    out["stream"] = False
+    # vLLM rejects stream_options without stream, and min_tokens > max_tokens.
+    out.pop("stream_options", None)
+    out.pop("min_tokens", None)
+    out["kv_transfer_params"] = {"do_remote_decode": True, "transfer_id": transfer_id}
+    return out
+
+
+def decode_body(
+    body: dict[str, Any],
+    transfer_id: str,
+    side_channel: tuple[str, int] | None,
+    extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The client body turned into the decode leg: expects P's KV for `transfer_id`."""
+    params: dict[str, Any] = dict(extra or {})
+    params.update({"do_remote_prefill": True, "transfer_id": transfer_id})
+    if side_channel is not None:
+        params["remote_host"], params["remote_port"] = side_channel
+    out = dict(body)
+    out["kv_transfer_params"] = params
+    return out
+
+
+def _upstream_error(leg: LegName, status: int, data: bytes) -> LegError:
+    detail = data[:_MAX_DETAIL].decode("utf-8", errors="replace")
+    return LegError(leg, "upstream", f"HTTP {status}: {detail}", upstream_status=status)
+
+
+async def call_unary(
+    session: aiohttp.ClientSession,
+    leg: LegName,
+    url: str,
+    body: dict[str, Any],
+    headers: dict[str, str],
+    timeout: float,
+) -> LegResult:
+    """POST `body` and read the whole answer within `timeout` seconds."""
+    try:
+        async with asyncio.timeout(timeout):
+            async with session.post(url, json=body, headers=headers) as resp:
+                data = await resp.read()
+                if not 200 <= resp.status < 300:
+                    raise _upstream_error(leg, resp.status, data)
+                ctype = resp.headers.get("Content-Type", "application/json")
+                return LegResult(resp.status, data, ctype)
+    except TimeoutError:
+        raise LegError(leg, "timeout", f"no complete answer within {timeout:g}s") from None
+    except (aiohttp.ClientError, OSError) as exc:
+        raise LegError(leg, "connection", f"{type(exc).__name__}: {exc}") from exc
+
+
+async def open_stream(
+    session: aiohttp.ClientSession,
+    leg: LegName,
+    url: str,
+    body: dict[str, Any],
+    headers: dict[str, str],
+    timeout: float,
+) -> aiohttp.ClientResponse:
+    """POST `body` and return the response once its 2xx headers are in.
+
+    The caller owns the returned response and must `release()` it.
+    """
+    try:
+        async with asyncio.timeout(timeout):
+            resp = await session.post(url, json=body, headers=headers)
+            if not 200 <= resp.status < 300:
+                try:
+                    data = await resp.read()
+                finally:
+                    resp.release()
+                raise _upstream_error(leg, resp.status, data)
+            return resp
+    except TimeoutError:
+        raise LegError(leg, "timeout", f"no response headers within {timeout:g}s") from None
+    except (aiohttp.ClientError, OSError) as exc:
+        raise LegError(leg, "connection", f"{type(exc).__name__}: {exc}") from exc
+
+
+async def read_chunk(resp: aiohttp.ClientResponse, leg: LegName, timeout: float) -> bytes:
+    """Next piece of a streamed body (b"" at its end); `timeout` bounds the gap between pieces."""
+    try:
+        async with asyncio.timeout(timeout):
+            return await resp.content.readany()
+    except TimeoutError:
+        raise LegError(leg, "timeout", f"stream stalled for {timeout:g}s") from None
+    except (aiohttp.ClientError, OSError) as exc:
+        raise LegError(leg, "connection", f"{type(exc).__name__}: {exc}") from exc
+
+
+async def probe_health(
+    session: aiohttp.ClientSession, base_url: str, timeout: float
+) -> dict[str, Any]:
+    """GET <base_url>/health; a dict saying whether it answered 200 and, if not, why."""
+    try:
+        async with asyncio.timeout(timeout):
+            async with session.get(base_url + "/health") as resp:
+                await resp.read()
+                return {"ok": resp.status == 200, "status": resp.status}
+    except TimeoutError:
+        return {"ok": False, "error": f"no answer within {timeout:g}s"}
+    except (aiohttp.ClientError, OSError) as exc:
+        return {"ok": False, "error": f"{type(exc).__name__}: {exc}"}

@@ -1,0 +1,165 @@
+"""A minimal engine around the core: a block allocator, a KV cache in CPU memory,
+the scheduler and the worker, stepped like an LLM engine would step them.
+
+Used by the synthetic demo, the integration tests and the soak. P fills each
+request's blocks with bytes derived from its transfer id; D checks every byte.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+import zlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kvpush.core.layout import KVLayout, Region
+from kvpush.core.scheduler import PushScheduler, SchedulerConfig
+from kvpush.core.transport import Transport
+from kvpush.core.types import RecvRegistration, WorkerConfig
+from kvpush.core.worker import PushWorker
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SimSpec:
+    engine_id: str
+    port: int
+    layers: int = 4
+    num_blocks: int = 512
+    block_bytes: int = 4096  # bytes of one block of one K or V region
+    block_size: int = 16  # tokens per block
+    scattered: bool = True  # allocate blocks in random order
+    seed: int = 0
+    host: str = "127.0.0.1"
+    lease_s: float = 30.0
+    watchdog_s: float = 30.0
+    worker: dict[str, Any] = field(default_factory=dict)  # extra WorkerConfig fields
+
+
+def pattern(transfer_id: str, region: int, n_blocks: int, block_bytes: int) -> np.ndarray:
+    """The bytes P writes for one request in one region: reproducible on D."""
+    seed = [zlib.crc32(transfer_id.encode()), region]
+    return np.random.default_rng(seed).integers(0, 256, (n_blocks, block_bytes), dtype=np.uint8)
+
+
+class SimEngine:
+    def __init__(self, spec: SimSpec, transport: Transport) -> None:
+        self.spec = spec
+        regions = 2 * spec.layers  # K and V of every layer
+        self.kv = np.zeros((regions, spec.num_blocks, spec.block_bytes), dtype=np.uint8)
+        layout = KVLayout(
+            regions=[
+                Region(
+                    f"layer{i // 2}.{'kv'[i % 2]}",
+                    self.kv[i].ctypes.data,
+                    spec.block_bytes,
+                    spec.num_blocks,
+                )
+                for i in range(regions)
+            ],
+            block_size=spec.block_size,
+        )
+        self.free = list(range(spec.num_blocks))
+        if spec.scattered:
+            random.Random(spec.seed).shuffle(self.free)
+        self.sched = PushScheduler(SchedulerConfig(spec.lease_s, spec.watchdog_s))
+        wcfg = WorkerConfig(engine_id=spec.engine_id, host=spec.host, port=spec.port, **spec.worker)
+        self.worker = PushWorker(wcfg, transport, layout)
+        self.p_reqs: dict[str, list[int]] = {}
+        self.d_reqs: dict[str, tuple[list[int], str]] = {}
+        self.events: list[tuple[str, str, dict[str, Any]]] = []
+
+    # ---- requests --------------------------------------------------------------------------
+
+    def _alloc(self, n: int) -> list[int] | None:
+        if n > len(self.free):
+            return None
+        blocks, self.free = self.free[:n], self.free[n:]
+        return blocks
+
+    def _release(self, blocks: list[int]) -> None:
+        self.free.extend(blocks)
+
+    def prefill(self, rid: str, tid: str, n_blocks: int) -> bool:
+        """P: 'compute' the KV of a request and stage it for the push."""
+        blocks = self._alloc(n_blocks)
+        if blocks is None:
+            return False
+        for r in range(self.kv.shape[0]):
+            self.kv[r, blocks] = pattern(tid, r, n_blocks, self.spec.block_bytes)
+        self.p_reqs[rid] = blocks
+        self.sched.request_finished(rid, [blocks], tid)
+        self.events.append(("staged", rid, {"t": time.monotonic()}))
+        return True
+
+    def register(
+        self, rid: str, tid: str, n_blocks: int, p_engine: str, p_host: str, p_port: int
+    ) -> bool:
+        """D: allocate blocks for a request and register them for P's push."""
+        blocks = self._alloc(n_blocks)
+        if blocks is None:
+            return False
+        self.kv[:, blocks] = 0
+        self.d_reqs[rid] = (blocks, tid)
+        self.sched.add_registration(
+            RecvRegistration(rid, [blocks], p_engine, p_host, p_port, transfer_id=tid)
+        )
+        self.events.append(("registered", rid, {"t": time.monotonic()}))
+        return True
+
+    def abort(self, rid: str) -> None:
+        """D: the client went away."""
+        if rid not in self.d_reqs:
+            return
+        if not self.sched.abort(rid):
+            self._release(self.d_reqs.pop(rid)[0])
+
+    # ---- stepping --------------------------------------------------------------------------
+
+    def step(self) -> None:
+        self.worker.start_step(self.sched.build_meta())
+        out = self.sched.update(self.worker.get_finished())
+        now = time.monotonic()
+        for rid in out.finished_sending:
+            self._release(self.p_reqs.pop(rid))
+            self.events.append(("sent", rid, {"t": now}))
+        for rid in out.finished_recving:
+            blocks, tid = self.d_reqs.pop(rid)
+            bad = self.verify(blocks, tid)
+            self._release(blocks)
+            nbytes = len(blocks) * self.kv.shape[0] * self.spec.block_bytes
+            self.events.append(("recv", rid, {"t": now, "bytes": nbytes, "bad_regions": bad}))
+        for rid, reason in out.failed_recving.items():
+            self._release(self.d_reqs.pop(rid)[0])
+            self.events.append(("failed", rid, {"t": now, "reason": reason}))
+        for rid in out.released:
+            self._release(self.d_reqs.pop(rid)[0])
+            self.events.append(("released", rid, {"t": now}))
+
+    def verify(self, blocks: list[int], tid: str) -> int:
+        """Number of regions whose bytes differ from what P wrote."""
+        bad = 0
+        for r in range(self.kv.shape[0]):
+            if not np.array_equal(
+                self.kv[r, blocks], pattern(tid, r, len(blocks), self.spec.block_bytes)
+            ):
+                bad += 1
+        return bad
+
+    def take_events(self) -> list[tuple[str, str, dict[str, Any]]]:
+        events, self.events = self.events, []
+        return events
+
+    def held_blocks(self) -> int:
+        return self.spec.num_blocks - len(self.free)
+
+    def busy(self) -> bool:
+        return self.sched.has_pending_push_work()
+
+    def close(self) -> None:
+        self.worker.shutdown()

@@ -1,0 +1,343 @@
+"""The real router over real HTTP on 127.0.0.1, against stub upstreams started in the test.
+
+Synchronisation is by events with deadlines, never by sleeping: a stub that needs the
+other leg to have arrived waits for it, and fails its request if it does not come.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from kvpush.router import RouterConfig, make_app
+from kvpush.router.cli import parse_host_port
+from kvpush.router.legs import decode_body, prefill_body
+
+DEADLINE = 5.0  # how long a stub waits for the other leg before failing the test
+SIDE_CHANNEL = ("127.0.0.1", 5600)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def stub(post: Handler, health: int = 200) -> web.Application:
+    """An upstream that answers both OpenAI endpoints with `post`."""
+    app = web.Application()
+    app.router.add_post("/v1/completions", post)
+    app.router.add_post("/v1/chat/completions", post)
+
+    async def health_handler(request: web.Request) -> web.Response:
+        return web.json_response({}, status=health)
+
+    app.router.add_get("/health", health_handler)
+    return app
+
+
+async def serve(app: web.Application, **kwargs: Any) -> tuple[web.AppRunner, str]:
+    # handler_cancellation: a stub handler sees CancelledError when the router hangs up,
+    # which lets tests observe that the router cancelled a leg.
+    runner = web.AppRunner(app, shutdown_timeout=1.0, **kwargs)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    return runner, f"http://127.0.0.1:{port}"
+
+
+def dead_url() -> str:
+    """A URL on a port nobody listens on."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return f"http://127.0.0.1:{port}"
+
+
+@asynccontextmanager
+async def running(
+    prefill: web.Application | str, decode: web.Application | str, timeout: float = 10.0
+) -> AsyncIterator[tuple[str, aiohttp.ClientSession]]:
+    """Start the stubs and the router; yield the router URL and a client session."""
+    runners: list[web.AppRunner] = []
+    urls = []
+    for upstream in (prefill, decode):
+        if isinstance(upstream, str):
+            urls.append(upstream)
+        else:
+            runner, url = await serve(upstream, handler_cancellation=True)
+            runners.append(runner)
+            urls.append(url)
+    config = RouterConfig(
+        prefill_url=urls[0], decode_url=urls[1], timeout=timeout, prefill_side_channel=SIDE_CHANNEL
+    )
+    router, router_url = await serve(make_app(config))
+    runners.insert(0, router)
+    try:
+        async with aiohttp.ClientSession() as client:
+            yield router_url, client
+    finally:
+        for runner in runners:
+            await runner.cleanup()
+
+
+async def ok_prefill(request: web.Request) -> web.Response:
+    await request.json()
+    return web.json_response({"choices": [{"text": "P"}]})
+
+
+def completion_body(stream: bool = False) -> dict[str, Any]:
+    return {"model": "m", "prompt": "hello", "max_tokens": 8, "stream": stream}
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_legs_are_concurrent_and_share_transfer_id(path: str) -> None:
+    seen: dict[str, tuple[dict[str, Any], str]] = {}
+    both_arrived = asyncio.Event()
+
+    def make(name: str, text: str) -> Handler:
+        async def handler(request: web.Request) -> web.Response:
+            seen[name] = (await request.json(), request.headers["X-Request-Id"])
+            if len(seen) == 2:
+                both_arrived.set()
+            # Neither stub answers until both legs are in: sequential legs fail here.
+            await asyncio.wait_for(both_arrived.wait(), DEADLINE)
+            return web.json_response({"choices": [{"text": text}]})
+
+        return handler
+
+    body: dict[str, Any] = {"model": "m", "max_tokens": 8, "temperature": 0}
+    if "chat" in path:
+        body.update(messages=[{"role": "user", "content": "hi"}], max_completion_tokens=8)
+    else:
+        body["prompt"] = "hello"
+
+    async def main() -> None:
+        async with running(stub(make("prefill", "P")), stub(make("decode", "D"))) as (url, cl):
+            async with cl.post(url + path, json=body) as resp:
+                assert resp.status == 200, await resp.text()
+                assert (await resp.json())["choices"][0]["text"] == "D"
+                response_id = resp.headers["X-Request-Id"]
+        (pbody, pid), (dbody, did) = seen["prefill"], seen["decode"]
+        tid = pbody["kv_transfer_params"]["transfer_id"]
+        assert len(tid) == 32 and int(tid, 16) >= 0
+        assert pid == did == response_id == tid
+        assert pbody["kv_transfer_params"] == {"do_remote_decode": True, "transfer_id": tid}
+        assert dbody["kv_transfer_params"] == {
+            "do_remote_prefill": True,
+            "transfer_id": tid,
+            "remote_host": SIDE_CHANNEL[0],
+            "remote_port": SIDE_CHANNEL[1],
+        }
+        assert pbody["max_tokens"] == 1 and pbody["stream"] is False
+        assert dbody["max_tokens"] == 8
+        if "chat" in path:
+            assert pbody["max_completion_tokens"] == 1 and dbody["max_completion_tokens"] == 8
+
+    asyncio.run(main())
+
+
+def test_stream_chunks_pass_through_in_order_as_they_arrive() -> None:
+    n = 5
+    acks = [asyncio.Event() for _ in range(n)]
+    decode_seen: list[dict[str, Any]] = []
+
+    async def decode(request: web.Request) -> web.StreamResponse:
+        decode_seen.append(await request.json())
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for i in range(n):
+            await resp.write(f"data: {json.dumps({'i': i})}\n\n".encode())
+            # The next chunk only goes once the client has this one: a router that
+            # buffers the stream stalls here and the test fails at the deadline.
+            await asyncio.wait_for(acks[i].wait(), DEADLINE)
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    async def main() -> None:
+        got: list[Any] = []
+        async with running(stub(ok_prefill), stub(decode)) as (url, cl):
+            async with asyncio.timeout(2 * DEADLINE):
+                async with cl.post(url + "/v1/completions", json=completion_body(True)) as resp:
+                    assert resp.status == 200
+                    assert resp.headers["Content-Type"].startswith("text/event-stream")
+                    async for line in resp.content:
+                        if not line.startswith(b"data: "):
+                            continue
+                        payload = line[6:].strip()
+                        if payload == b"[DONE]":
+                            got.append("DONE")
+                            continue
+                        i = json.loads(payload)["i"]
+                        got.append(i)
+                        acks[i].set()
+        assert got == [*range(n), "DONE"]
+        assert decode_seen[0]["stream"] is True
+
+    asyncio.run(main())
+
+
+def test_prefill_500_gives_502_and_cancels_decode() -> None:
+    decode_arrived = asyncio.Event()
+    decode_cancelled = asyncio.Event()
+    never = asyncio.Event()
+
+    async def prefill(request: web.Request) -> web.Response:
+        await asyncio.wait_for(decode_arrived.wait(), DEADLINE)
+        return web.json_response({"error": "boom"}, status=500)
+
+    async def decode(request: web.Request) -> web.Response:
+        decode_arrived.set()
+        try:
+            await asyncio.wait_for(never.wait(), DEADLINE)
+        except asyncio.CancelledError:
+            decode_cancelled.set()
+            raise
+        return web.json_response({})
+
+    async def main() -> None:
+        async with running(stub(prefill), stub(decode)) as (url, cl):
+            async with cl.post(url + "/v1/completions", json=completion_body()) as resp:
+                assert resp.status == 502
+                err = (await resp.json())["error"]
+            assert err["leg"] == "prefill" and err["upstream_status"] == 500
+            assert err["transfer_id"] == resp.headers["X-Request-Id"]
+            await asyncio.wait_for(decode_cancelled.wait(), DEADLINE)
+            async with cl.get(url + "/metrics") as resp:
+                text = await resp.text()
+            assert 'kvpush_router_errors_total{kind="upstream",leg="prefill"} 1' in text
+            assert "kvpush_router_in_flight 0" in text
+
+    asyncio.run(main())
+
+
+def test_prefill_failure_mid_stream_ends_stream_with_error_event() -> None:
+    first_chunk_read = asyncio.Event()
+    never = asyncio.Event()
+
+    async def prefill(request: web.Request) -> web.Response:
+        await asyncio.wait_for(first_chunk_read.wait(), DEADLINE)
+        return web.json_response({"error": "boom"}, status=500)
+
+    async def decode(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b'data: {"i": 0}\n\n')
+        await asyncio.wait_for(never.wait(), DEADLINE)
+        return resp
+
+    async def main() -> None:
+        events: list[bytes] = []
+        async with running(stub(prefill), stub(decode)) as (url, cl):
+            async with asyncio.timeout(DEADLINE):
+                async with cl.post(url + "/v1/completions", json=completion_body(True)) as resp:
+                    assert resp.status == 200
+                    async for line in resp.content:
+                        if line.startswith(b"data: "):
+                            events.append(line[6:].strip())
+                            first_chunk_read.set()
+        assert events[0] == b'{"i": 0}'
+        assert json.loads(events[1])["error"]["leg"] == "prefill"
+        assert len(events) == 2
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_decode_that_never_answers_gives_504_within_timeout(stream: bool) -> None:
+    never = asyncio.Event()
+
+    async def decode(request: web.Request) -> web.Response:
+        await asyncio.wait_for(never.wait(), 4 * DEADLINE)
+        return web.json_response({})
+
+    async def main() -> None:
+        timeout = 0.5
+        async with running(stub(ok_prefill), stub(decode), timeout=timeout) as (url, cl):
+            start = time.monotonic()
+            async with cl.post(url + "/v1/completions", json=completion_body(stream)) as resp:
+                elapsed = time.monotonic() - start
+                assert resp.status == 504
+                err = (await resp.json())["error"]
+        assert err["leg"] == "decode" and err["type"] == "upstream_timeout"
+        assert timeout <= elapsed < timeout + 2.0
+
+    asyncio.run(main())
+
+
+def test_unreachable_prefill_gives_502() -> None:
+    never = asyncio.Event()
+
+    async def decode(request: web.Request) -> web.Response:
+        # Like a real D, wait for KV that never comes: only P's failure can end this.
+        await asyncio.wait_for(never.wait(), DEADLINE)
+        return web.json_response({"choices": []})
+
+    async def main() -> None:
+        async with running(dead_url(), stub(decode)) as (url, cl):
+            async with cl.post(url + "/v1/completions", json=completion_body()) as resp:
+                assert resp.status == 502
+                err = (await resp.json())["error"]
+        assert err["leg"] == "prefill" and err["kind"] == "connection"
+
+    asyncio.run(main())
+
+
+def test_health_and_metrics() -> None:
+    async def main() -> None:
+        async with running(stub(ok_prefill), stub(ok_prefill)) as (url, cl):
+            async with cl.get(url + "/health") as resp:
+                assert resp.status == 200
+                assert (await resp.json())["status"] == "ok"
+            async with cl.post(url + "/v1/completions", json=completion_body()) as resp:
+                assert resp.status == 200
+            async with cl.get(url + "/metrics") as resp:
+                assert resp.headers["Content-Type"].startswith("text/plain")
+                text = await resp.text()
+        assert 'kvpush_router_requests_total{endpoint="completions",stream="false"} 1' in text
+        assert "kvpush_router_in_flight 0" in text
+        assert 'kvpush_router_request_latency_seconds_count{endpoint="completions"} 1' in text
+        assert 'kvpush_router_leg_latency_seconds_count{leg="prefill"} 1' in text
+
+        async with running(stub(ok_prefill), dead_url()) as (url, cl):
+            async with cl.get(url + "/health") as resp:
+                assert resp.status == 503
+                detail = await resp.json()
+        assert detail["prefill"]["ok"] is True and detail["decode"]["ok"] is False
+
+        async with running(stub(ok_prefill, health=500), stub(ok_prefill)) as (url, cl):
+            async with cl.get(url + "/health") as resp:
+                assert resp.status == 503
+                assert (await resp.json())["prefill"]["status"] == 500
+
+    asyncio.run(main())
+
+
+def test_bad_json_is_400() -> None:
+    async def main() -> None:
+        async with running(stub(ok_prefill), stub(ok_prefill)) as (url, cl):
+            async with cl.post(url + "/v1/completions", data=b"{not json") as resp:
+                assert resp.status == 400
+
+    asyncio.run(main())
+
+
+def test_leg_bodies_and_side_channel_parsing() -> None:
+    body = {"prompt": "x", "max_tokens": 9, "stream": True, "stream_options": {}, "min_tokens": 3}
+    p = prefill_body(body, "t", chat=False)
+    assert p["max_tokens"] == 1 and p["stream"] is False
+    assert "stream_options" not in p and "min_tokens" not in p
+    d = decode_body(body, "t", None)
+    assert d["kv_transfer_params"] == {"do_remote_prefill": True, "transfer_id": "t"}
+    assert d["stream_options"] == {} and body.get("kv_transfer_params") is None
+    assert parse_host_port("10.0.0.1:5600") == ("10.0.0.1", 5600)
+    assert parse_host_port("[::1]:7") == ("::1", 7)
+    for bad in ("nohost", ":5", "h:0", "h:x"):
+        with pytest.raises(ValueError):
+            parse_host_port(bad)
