@@ -35,7 +35,12 @@ class NixlTransport(Transport):
     """A NIXL agent with its progress thread off: the writer thread's polling drives it."""
 
     def __init__(self, agent_name: str, backends: tuple[str, ...] = ("UCX",)) -> None:
+        import os
+
         from nixl._api import nixl_agent, nixl_agent_config
+
+        if "NIXL_LOG_LEVEL" not in os.environ:  # its INFO lines drown our output
+            logging.getLogger("nixl").setLevel(logging.WARNING)
 
         # The progress thread busy-spins a core; our writer polls instead.
         config = nixl_agent_config(enable_prog_thread=False, backends=list(backends))

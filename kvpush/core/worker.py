@@ -52,8 +52,15 @@ def make_agent_name(engine_id: str, tp_rank: int) -> str:
 class PushWorker:
     """Engine-facing worker; call ``start_step`` and ``get_finished`` once per engine step."""
 
-    def __init__(self, config: WorkerConfig, transport: Transport, layout: KVLayout) -> None:
+    def __init__(
+        self,
+        config: WorkerConfig,
+        transport: Transport,
+        layout: KVLayout,
+        fetch: Callable[..., AgentInfo] = fetch_agent_info,
+    ) -> None:
         self.config = config
+        self._fetch = fetch  # tests substitute a gated or failing handshake
         self.transport = transport
         self.layout = layout
         self.stats: Counter[str] = Counter()
@@ -150,7 +157,7 @@ class PushWorker:
         fut = self._hs_futures.get(key)
         if fut is None:
             fut = self._executor.submit(
-                fetch_agent_info,
+                self._fetch,
                 host,
                 port,
                 self.config.engine_id,

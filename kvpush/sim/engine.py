@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from kvpush.core.ids import base_request_id
 from kvpush.core.layout import KVLayout, Region
 from kvpush.core.scheduler import PushScheduler, SchedulerConfig
 from kvpush.core.transport import Transport
@@ -41,14 +42,23 @@ class SimSpec:
     worker: dict[str, Any] = field(default_factory=dict)  # extra WorkerConfig fields
 
 
+def content_key(rid: str, tid: str | None) -> str:
+    """What P's bytes derive from: the transfer id, else the id both sides share."""
+    return tid or base_request_id(rid)
+
+
 def pattern(transfer_id: str, region: int, n_blocks: int, block_bytes: int) -> np.ndarray:
     """The bytes P writes for one request in one region: reproducible on D."""
-    seed = [zlib.crc32(transfer_id.encode()), region]
-    return np.random.default_rng(seed).integers(0, 256, (n_blocks, block_bytes), dtype=np.uint8)
+    # Every 8-byte word differs by transfer, region and position; cheap to make on both sides.
+    base = np.uint64((zlib.crc32(transfer_id.encode()) << 32) | (region << 20))
+    words = -(-n_blocks * block_bytes // 8)
+    with np.errstate(over="ignore"):
+        vals = np.arange(words, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15) + base
+    return vals.view(np.uint8)[: n_blocks * block_bytes].reshape(n_blocks, block_bytes)
 
 
 class SimEngine:
-    def __init__(self, spec: SimSpec, transport: Transport) -> None:
+    def __init__(self, spec: SimSpec, transport: Transport, **worker_kw: Any) -> None:
         self.spec = spec
         regions = 2 * spec.layers  # K and V of every layer
         self.kv = np.zeros((regions, spec.num_blocks, spec.block_bytes), dtype=np.uint8)
@@ -69,7 +79,7 @@ class SimEngine:
             random.Random(spec.seed).shuffle(self.free)
         self.sched = PushScheduler(SchedulerConfig(spec.lease_s, spec.watchdog_s))
         wcfg = WorkerConfig(engine_id=spec.engine_id, host=spec.host, port=spec.port, **spec.worker)
-        self.worker = PushWorker(wcfg, transport, layout)
+        self.worker = PushWorker(wcfg, transport, layout, **worker_kw)
         self.p_reqs: dict[str, list[int]] = {}
         self.d_reqs: dict[str, tuple[list[int], str]] = {}
         self.events: list[tuple[str, str, dict[str, Any]]] = []
@@ -85,13 +95,13 @@ class SimEngine:
     def _release(self, blocks: list[int]) -> None:
         self.free.extend(blocks)
 
-    def prefill(self, rid: str, tid: str, n_blocks: int) -> bool:
+    def prefill(self, rid: str, tid: str | None, n_blocks: int) -> bool:
         """P: 'compute' the KV of a request and stage it for the push."""
         blocks = self._alloc(n_blocks)
         if blocks is None:
             return False
         for r in range(self.kv.shape[0]):
-            self.kv[r, blocks] = pattern(tid, r, n_blocks, self.spec.block_bytes)
+            self.kv[r, blocks] = pattern(content_key(rid, tid), r, n_blocks, self.spec.block_bytes)
         self.p_reqs[rid] = blocks
         self.sched.request_finished(rid, [blocks], tid)
         self.events.append(("staged", rid, {"t": time.monotonic()}))
@@ -105,7 +115,7 @@ class SimEngine:
         if blocks is None:
             return False
         self.kv[:, blocks] = 0
-        self.d_reqs[rid] = (blocks, tid)
+        self.d_reqs[rid] = (blocks, content_key(rid, tid))
         self.sched.add_registration(
             RecvRegistration(rid, [blocks], p_engine, p_host, p_port, transfer_id=tid)
         )
@@ -141,12 +151,12 @@ class SimEngine:
             self._release(self.d_reqs.pop(rid)[0])
             self.events.append(("released", rid, {"t": now}))
 
-    def verify(self, blocks: list[int], tid: str) -> int:
+    def verify(self, blocks: list[int], key: str) -> int:
         """Number of regions whose bytes differ from what P wrote."""
         bad = 0
         for r in range(self.kv.shape[0]):
             if not np.array_equal(
-                self.kv[r, blocks], pattern(tid, r, len(blocks), self.spec.block_bytes)
+                self.kv[r, blocks], pattern(key, r, len(blocks), self.spec.block_bytes)
             ):
                 bad += 1
         return bad

@@ -1,0 +1,258 @@
+"""The push state machines over the in-memory transport, stepped deterministically."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from kvpush.core import wire
+from kvpush.core.errors import HandshakeError
+from kvpush.core.handshake import fetch_agent_info
+from kvpush.core.memory_transport import Fabric, MemoryTransport
+from kvpush.core.worker import make_agent_name
+from kvpush.sim.engine import SimEngine, SimSpec
+from tests.conftest import free_port, wait_until
+
+FAST = {"handshake_timeout_s": 0.5, "heartbeat_interval_s": 0.05}
+
+
+class Pair:
+    def __init__(self, p_kw: dict[str, Any] | None = None, d_kw: dict[str, Any] | None = None,
+                 p_fetch: Callable[..., Any] = fetch_agent_info, **spec: Any) -> None:
+        self.fabric = Fabric()
+        worker = {**FAST, **spec.pop("worker", {})}
+        self.p = SimEngine(SimSpec("P", free_port(), worker=worker, **spec, **(p_kw or {})),
+                           MemoryTransport(self.fabric, make_agent_name("P", 0)), fetch=p_fetch)
+        self.d = SimEngine(SimSpec("D", free_port(), worker=worker, **spec, **(d_kw or {})),
+                           MemoryTransport(self.fabric, make_agent_name("D", 0)))
+        self.p_events: list[tuple[str, str, dict[str, Any]]] = []
+        self.d_events: list[tuple[str, str, dict[str, Any]]] = []
+
+    def step(self) -> None:
+        self.p.step()
+        self.d.step()
+        self.p_events += self.p.take_events()
+        self.d_events += self.d.take_events()
+
+    def register(self, rid: str, tid: str | None, n: int) -> None:
+        self.d.register(rid, tid, n, "P", "127.0.0.1", self.p.spec.port)  # type: ignore[arg-type]
+
+    def until(self, cond: Callable[[], bool], timeout: float = 10.0, what: str = "") -> None:
+        wait_until(cond, timeout, self.step, what)
+
+    def d_kinds(self, rid: str) -> list[str]:
+        return [k for k, r, _ in self.d_events if r == rid and k != "registered"]
+
+    def p_kinds(self, rid: str) -> list[str]:
+        return [k for k, r, _ in self.p_events if r == rid and k != "staged"]
+
+    def settle(self) -> None:
+        self.until(lambda: self.p.held_blocks() == 0 and self.d.held_blocks() == 0, what="no held blocks")
+
+    def close(self) -> None:
+        self.p.close()
+        self.d.close()
+
+
+@pytest.fixture
+def pair_factory() -> Iterator[Callable[..., Pair]]:
+    made: list[Pair] = []
+
+    def make(**kw: Any) -> Pair:
+        made.append(Pair(**kw))
+        return made[-1]
+
+    yield make
+    for p in made:
+        p.close()
+
+
+def recv_ok(pair: Pair, rid: str) -> bool:
+    return any(k == "recv" and r == rid and i["bad_regions"] == 0 for k, r, i in pair.d_events)
+
+
+@pytest.mark.parametrize("p_first", [True, False])
+@pytest.mark.parametrize("tid", ["tid-1", None])
+def test_both_arrival_orders(pair_factory: Callable[..., Pair], p_first: bool, tid: str | None) -> None:
+    pair = pair_factory()
+    if p_first:
+        pair.p.prefill("cmpl-x-0-aaaaaaaa", tid, 6)  # type: ignore[arg-type]
+        pair.until(lambda: len(pair.p.worker.producer.staged) == 1)
+        pair.register("cmpl-x-0-bbbbbbbb", tid, 6)
+    else:
+        pair.register("cmpl-x-0-bbbbbbbb", tid, 6)
+        pair.until(lambda: len(pair.p.worker.producer.pending_regs) == 1)
+        pair.p.prefill("cmpl-x-0-aaaaaaaa", tid, 6)  # type: ignore[arg-type]
+    pair.until(lambda: recv_ok(pair, "cmpl-x-0-bbbbbbbb"), what="verified receive")
+    pair.until(lambda: "sent" in pair.p_kinds("cmpl-x-0-aaaaaaaa"), what="finished_sending on P")
+    pair.settle()
+
+
+def test_d_with_cached_prefix_gets_the_tail(pair_factory: Callable[..., Pair]) -> None:
+    pair = pair_factory()
+    pair.p.prefill("p1", "t1", 5)
+    blocks = pair.p.p_reqs["p1"]
+    pair.register("d1", "t1", 3)
+    pair.until(lambda: "recv" in pair.d_kinds("d1") or "failed" in pair.d_kinds("d1"))
+    recv = next(i for k, r, i in pair.d_events if k == "recv")
+    # D verifies against the pattern of the first 3 blocks, but P sent its last 3:
+    assert recv["bad_regions"] > 0 and len(blocks) == 5
+
+
+def test_handshake_failure_on_d_fails_the_receive(pair_factory: Callable[..., Pair]) -> None:
+    pair = pair_factory()
+    pair.d.register("d1", "t1", 2, "P", "127.0.0.1", free_port())  # nothing listens there
+    pair.until(lambda: "failed" in pair.d_kinds("d1"), what="failed receive")
+    reason = next(i["reason"] for k, r, i in pair.d_events if k == "failed")
+    assert "handshake with P failed" in reason
+    pair.settle()
+
+
+def test_handshake_failure_on_p_frees_without_writing(pair_factory: Callable[..., Pair]) -> None:
+    def refuse(*a: Any, **k: Any) -> Any:
+        raise HandshakeError("refused by test")
+
+    pair = pair_factory(p_fetch=refuse, watchdog_s=0.5)
+    pair.p.prefill("p1", "t1", 4)
+    pair.register("d1", "t1", 4)
+    pair.until(lambda: "sent" in pair.p_kinds("p1"), what="P frees its blocks")
+    assert pair.p.worker.stats["writes"] == 0
+    pair.until(lambda: "failed" in pair.d_kinds("d1"), what="D's watchdog")
+    pair.settle()
+
+
+def test_lease_expiry_frees_p_blocks(pair_factory: Callable[..., Pair]) -> None:
+    pair = pair_factory(lease_s=0.2)
+    pair.p.prefill("p1", "t1", 4)
+    pair.until(lambda: "sent" in pair.p_kinds("p1"), what="lease expiry")
+    assert pair.p.held_blocks() == 0 and pair.p.worker.stats["writes"] == 0
+
+
+def test_renewed_lease_survives(pair_factory: Callable[..., Pair]) -> None:
+    gate = threading.Event()
+
+    def slow(*a: Any, **k: Any) -> Any:
+        gate.wait(5)
+        return fetch_agent_info(*a, **k)
+
+    pair = pair_factory(p_fetch=slow, lease_s=0.3)
+    pair.p.prefill("p1", "t1", 2)
+    pair.register("d1", "t1", 2)
+    # The push is deferred behind P's slow handshake for longer than the lease;
+    # D's heartbeats keep renewing it.
+    import time
+    end = time.monotonic() + 0.9
+    pair.until(lambda: time.monotonic() > end)
+    assert "sent" not in pair.p_kinds("p1")
+    gate.set()
+    pair.until(lambda: recv_ok(pair, "d1"), what="push after the slow handshake")
+
+
+def test_watchdog_expiry_when_p_goes_silent(pair_factory: Callable[..., Pair]) -> None:
+    pair = pair_factory(watchdog_s=0.3)
+    pair.fabric.drop = lambda s, t, m: m.startswith(wire.HB_PREFIX)
+    pair.register("d1", "t1", 3)
+    pair.until(lambda: "failed" in pair.d_kinds("d1"), what="watchdog")
+    assert "watchdog" in next(i["reason"] for k, _, i in pair.d_events if k == "failed")
+    # D's cancel reached P: a late prefill does not write into D's freed blocks.
+    pair.until(lambda: len(pair.p.worker.producer.pending_regs) == 0)
+    pair.p.prefill("p1", "t1", 3)
+    pair.until(lambda: len(pair.p.worker.producer.staged) == 1)
+    assert pair.p.worker.stats["writes"] == 0
+
+
+def test_push_fail_when_registration_ttl_runs_out(pair_factory: Callable[..., Pair]) -> None:
+    pair = pair_factory(worker={"registration_ttl_s": 0.2})
+    pair.register("d1", "t1", 3)
+    pair.until(lambda: "failed" in pair.d_kinds("d1"), timeout=5, what="PUSH_FAIL")
+    reason = next(i["reason"] for k, _, i in pair.d_events if k == "failed")
+    assert "prefiller gave up" in reason
+    pair.settle()
+
+
+def test_push_fail_when_d_wants_more_blocks_than_p_holds(pair_factory: Callable[..., Pair]) -> None:
+    pair = pair_factory()
+    pair.p.prefill("p1", "t1", 2)
+    pair.register("d1", "t1", 5)
+    pair.until(lambda: "failed" in pair.d_kinds("d1"), what="PUSH_FAIL")
+    assert pair.p.worker.stats["writes"] == 0
+    pair.settle()
+
+
+def test_out_of_range_registration_never_writes(pair_factory: Callable[..., Pair]) -> None:
+    pair = pair_factory()
+    # D is known to P (a first push succeeded), then a registration with a block id
+    # past D's advertised range arrives.
+    pair.p.prefill("p0", "t0", 1)
+    pair.register("d0", "t0", 1)
+    pair.until(lambda: recv_ok(pair, "d0"))
+    pair.p.prefill("p1", "t1", 2)
+    reg = wire.PushReg(
+        request_id="d1", decode_engine_id="D", decode_host="127.0.0.1",
+        decode_port=pair.d.spec.port, decode_tp_size=1, local_block_ids=[[1, 10**6]],
+        remote_engine_id="P", remote_host="127.0.0.1", remote_port=pair.p.spec.port,
+        remote_tp_size=1, transfer_id="t1",
+    )
+    writes = pair.p.worker.stats["writes"]
+    pair.d.worker.transport.send_notif(pair.p.worker.info.agent_name, wire.encode(reg))
+    pair.until(lambda: "sent" in pair.p_kinds("p1"), what="P drops the push")
+    assert pair.p.worker.stats["writes"] == writes
+    assert pair.p.worker.stats["reg_invalid"] == 1
+
+
+def test_cancel_while_deferred_behind_handshake(pair_factory: Callable[..., Pair]) -> None:
+    gate = threading.Event()
+
+    def gated(*a: Any, **k: Any) -> Any:
+        assert gate.wait(10)
+        return fetch_agent_info(*a, **k)
+
+    pair = pair_factory(p_fetch=gated)
+    pair.p.prefill("p1", "t1", 3)
+    pair.register("d1", "t1", 3)
+    pair.until(lambda: any(t.state.value == "deferred"
+                           for t in pair.p.worker.producer.by_prid.values()), what="deferred")
+    pair.d.abort("d1")
+    pair.until(lambda: "sent" in pair.p_kinds("p1"), what="P ends the cancelled push")
+    assert pair.d.held_blocks() == 3  # fence: D keeps its blocks until P confirms
+    gate.set()
+    pair.until(lambda: "released" in pair.d_kinds("d1"), what="D released after P's ack")
+    assert pair.p.worker.stats["writes"] == 0
+    pair.settle()
+
+
+def test_cancel_during_write_keeps_blocks_until_outcome(pair_factory: Callable[..., Pair]) -> None:
+    pair = pair_factory()
+    pair.p.prefill("p0", "t0", 1)
+    pair.register("d0", "t0", 1)
+    pair.until(lambda: recv_ok(pair, "d0"))
+    pair.fabric.hold_writes = True
+    pair.p.prefill("p1", "t1", 4)
+    pair.register("d1", "t1", 4)
+    pair.until(lambda: len(pair.p.worker.producer.writing) == 1, what="WRITE in flight")
+    pair.d.abort("d1")
+    pair.until(lambda: len(pair.d.worker.consumer.recvs) == 1 and
+               next(iter(pair.d.worker.consumer.recvs.values())).state.value == "cancelling")
+    for _ in range(20):
+        pair.step()
+    assert pair.d.held_blocks() == 4
+    pair.fabric.complete_writes()
+    pair.until(lambda: "released" in pair.d_kinds("d1"), what="released after the WRITE ended")
+    pair.settle()
+
+
+def test_malformed_notifications_do_not_stop_the_writer(pair_factory: Callable[..., Pair]) -> None:
+    pair = pair_factory()
+    p_agent = pair.p.worker.info.agent_name
+    pair.d.worker.transport.add_peer(p_agent, p_agent.encode())
+    for junk in [b"", b"garbage", b"PUSH_REG:\x00\x01", b"nope:0", b"PUSH_HB:\xc1",
+                 wire.encode(wire.Completion("unknown-request", 1))]:
+        pair.d.worker.transport.send_notif(p_agent, junk)
+    pair.until(lambda: pair.p.worker.stats["rejected"] == 5, what="5 rejections")
+    assert pair.p.worker.stats["writer_errors"] == 0
+    pair.p.prefill("p1", "t1", 2)
+    pair.register("d1", "t1", 2)
+    pair.until(lambda: recv_ok(pair, "d1"), what="the writer still pushes")
