@@ -24,7 +24,7 @@ NonNeg = Annotated[int, msgspec.Meta(ge=0)]
 
 
 class Region(msgspec.Struct, frozen=True):
-    """One registered allocation: ``num_blocks`` blocks of ``block_len`` bytes from ``base_addr``."""
+    """One registered allocation: ``num_blocks`` blocks of ``block_len`` bytes each."""
 
     name: str
     base_addr: NonNeg

@@ -45,8 +45,9 @@ def _suffix(rng: random.Random) -> str:
 
 def run_demo(opts: DemoOptions) -> dict[str, Any]:
     rng = random.Random(opts.seed)
-    common = dict(layers=opts.layers, num_blocks=opts.num_blocks, block_bytes=opts.block_bytes,
-                  seed=opts.seed)
+    common = dict(
+        layers=opts.layers, num_blocks=opts.num_blocks, block_bytes=opts.block_bytes, seed=opts.seed
+    )
     p = EngineProcess(SimSpec("demo-P", free_port(), **common), opts.log_level)  # type: ignore[arg-type]
     d = EngineProcess(SimSpec("demo-D", free_port(), **common), opts.log_level)  # type: ignore[arg-type]
     try:
@@ -58,7 +59,9 @@ def run_demo(opts: DemoOptions) -> dict[str, Any]:
         d.stop()
 
 
-def _drive(opts: DemoOptions, rng: random.Random, p: EngineProcess, d: EngineProcess) -> dict[str, Any]:
+def _drive(
+    opts: DemoOptions, rng: random.Random, p: EngineProcess, d: EngineProcess
+) -> dict[str, Any]:
     todo = list(range(opts.requests))
     inflight: dict[str, tuple[str, str]] = {}  # D rid -> (P rid, first leg)
     staged_t: dict[str, float] = {}
@@ -100,9 +103,10 @@ def _drive(opts: DemoOptions, rng: random.Random, p: EngineProcess, d: EnginePro
                     bad += info["bad_regions"] > 0
                     if info["bad_regions"] == 0:
                         nbytes += info["bytes"]
-                    start = max(staged_t.get(prid, info["t"]), reg_t.get(rid, info["t"]))
-                    ready_ms.append((info["t"] - start) * 1e3)
-                    t_last = info["t"]
+                    t_done: float = info["t"]
+                    start = max(staged_t.get(prid, t_done), reg_t.get(rid, t_done))
+                    ready_ms.append((t_done - start) * 1e3)
+                    t_last = t_done
                 else:
                     failed += 1
         d_seen = len(d.events)
@@ -143,13 +147,16 @@ def _pct(values: list[float], q: float) -> float:
 
 def render(summary: dict[str, Any]) -> str:
     s = summary
-    return "\n".join([
-        f"kvpush synthetic demo: {s['requests']} requests pushed P -> D over NIXL",
-        f"  completed        {s['completed']}  (failed {s['failed']}, corrupted {s['corrupted']})",
-        f"  bytes verified   {s['bytes_verified'] / 2**20:.1f} MiB, every byte checked on D",
-        f"  arrival order    P first {s['p_first']}, D first {s['d_first']}",
-        f"  KV ready         p50 {s['kv_ready_ms_p50']} ms, p99 {s['kv_ready_ms_p99']} ms",
-        f"  throughput       {s['gib_per_s']} GiB/s "
-        f"({s['writes']} WRITEs, {s['write_descriptors']} descriptors)",
-        f"  blocks held      P {s['held_blocks_p']}, D {s['held_blocks_d']} after the run",
-    ])
+    return "\n".join(
+        [
+            f"kvpush synthetic demo: {s['requests']} requests pushed P -> D over NIXL",
+            f"  completed        {s['completed']}  "
+            f"(failed {s['failed']}, corrupted {s['corrupted']})",
+            f"  bytes verified   {s['bytes_verified'] / 2**20:.1f} MiB, every byte checked on D",
+            f"  arrival order    P first {s['p_first']}, D first {s['d_first']}",
+            f"  KV ready         p50 {s['kv_ready_ms_p50']} ms, p99 {s['kv_ready_ms_p99']} ms",
+            f"  throughput       {s['gib_per_s']} GiB/s "
+            f"({s['writes']} WRITEs, {s['write_descriptors']} descriptors)",
+            f"  blocks held      P {s['held_blocks_p']}, D {s['held_blocks_d']} after the run",
+        ]
+    )

@@ -24,8 +24,10 @@ IDLE_POLL_S = 0.02
 
 
 def _serve(conn: Connection, spec: SimSpec, log_level: str) -> None:
-    logging.basicConfig(level=log_level, format=f"%(asctime)s {spec.engine_id} %(threadName)s "
-                        "%(name)s %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=log_level,
+        format=f"%(asctime)s {spec.engine_id} %(threadName)s %(name)s %(levelname)s %(message)s",
+    )
     logging.getLogger("NIXL").setLevel(max(logging.WARNING, logging.getLogger().level))
     from kvpush.core.nixl_transport import NixlTransport
     from kvpush.core.worker import make_agent_name
@@ -59,11 +61,17 @@ def _handle(engine: SimEngine, conn: Connection, cmd: tuple[Any, ...]) -> None:
     elif kind == "abort":
         engine.abort(cmd[1])
     elif kind == "stats":
-        conn.send(("stats", engine.spec.engine_id, {
-            "held_blocks": engine.held_blocks(),
-            "busy": engine.busy(),
-            **engine.worker.snapshot(),
-        }))
+        conn.send(
+            (
+                "stats",
+                engine.spec.engine_id,
+                {
+                    "held_blocks": engine.held_blocks(),
+                    "busy": engine.busy(),
+                    **engine.worker.snapshot(),
+                },
+            )
+        )
     else:
         conn.send(("error", str(kind), {"reason": f"unknown command {kind!r}"}))
 
@@ -75,8 +83,12 @@ class EngineProcess:
         ctx = mp.get_context("spawn")
         self.spec = spec
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_serve, args=(child, spec, log_level),
-                                name=f"kvpush-{spec.engine_id}", daemon=True)
+        self.proc = ctx.Process(
+            target=_serve,
+            args=(child, spec, log_level),
+            name=f"kvpush-{spec.engine_id}",
+            daemon=True,
+        )
         self.proc.start()
         child.close()
         self.events: list[Event] = []

@@ -16,11 +16,16 @@ from kvpush.core.layout import (
 )
 
 
-def layout(base: int, nblocks: int = 64, blen: int = 256, ratio: int = 1, regions: int = 2) -> KVLayout:
+def layout(
+    base: int, nblocks: int = 64, blen: int = 256, ratio: int = 1, regions: int = 2
+) -> KVLayout:
     span = nblocks * blen * ratio
     return KVLayout(
-        regions=[Region(f"r{i}", base + i * span * 2, blen, nblocks * ratio) for i in range(regions)],
-        block_size=16, physical_per_logical=ratio,
+        regions=[
+            Region(f"r{i}", base + i * span * 2, blen, nblocks * ratio) for i in range(regions)
+        ],
+        block_size=16,
+        physical_per_logical=ratio,
     )
 
 
@@ -30,7 +35,9 @@ def test_expand() -> None:
 
 
 def test_contiguous_runs_coalesce() -> None:
-    src, dst = build_write_descs(layout(0), layout(1 << 30), [[1, 2, 3, 7, 8]], [[10, 11, 12, 13, 20]])
+    src, dst = build_write_descs(
+        layout(0), layout(1 << 30), [[1, 2, 3, 7, 8]], [[10, 11, 12, 13, 20]]
+    )
     # runs on both sides: (1-3 -> 10-12), (7 -> 13), (8 -> 20): three per region
     assert len(src) == 6
     assert src[:3, 1].tolist() == [768, 256, 256]
@@ -52,9 +59,15 @@ def test_ratio_difference_pairs_bytes() -> None:
     assert dst[0, 0] == (1 << 30) + 8 * 256  # logical 4 -> physical 8
 
 
-@pytest.mark.parametrize("ids, why", [
-    ([[64]], "outside"), ([[-1]], "outside"), ([[1, 1]], "duplicate"), ([[1], [2]], "groups"),
-])
+@pytest.mark.parametrize(
+    "ids, why",
+    [
+        ([[64]], "outside"),
+        ([[-1]], "outside"),
+        ([[1, 1]], "duplicate"),
+        ([[1], [2]], "groups"),
+    ],
+)
 def test_validation(ids: list[list[int]], why: str) -> None:
     with pytest.raises(LayoutError, match=why):
         validate_block_ids(layout(0), ids)
@@ -84,10 +97,10 @@ def test_every_source_byte_lands_on_its_destination(data: st.DataObject) -> None
     mem_d = np.full(4 * nb * blen_logical, -1, dtype=np.int64)
     for (sa, ln, _), (da, ln2, _) in zip(src.tolist(), dst.tolist(), strict=True):
         assert ln == ln2
-        mem_d[da:da + ln] = mem_p[sa:sa + ln]
+        mem_d[da : da + ln] = mem_p[sa : sa + ln]
     for r in range(2):
         for s, t in zip(src_ids, dst_ids, strict=True):
             sa = p.regions[r].base_addr + s * blen_logical
             da = d.regions[r].base_addr + t * blen_logical
-            assert (mem_d[da:da + blen_logical] == np.arange(sa, sa + blen_logical)).all()
+            assert (mem_d[da : da + blen_logical] == np.arange(sa, sa + blen_logical)).all()
     assert (mem_d >= 0).sum() == 2 * n * blen_logical  # nothing else touched

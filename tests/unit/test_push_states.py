@@ -20,14 +20,24 @@ FAST = {"handshake_timeout_s": 0.5, "heartbeat_interval_s": 0.05}
 
 
 class Pair:
-    def __init__(self, p_kw: dict[str, Any] | None = None, d_kw: dict[str, Any] | None = None,
-                 p_fetch: Callable[..., Any] = fetch_agent_info, **spec: Any) -> None:
+    def __init__(
+        self,
+        p_kw: dict[str, Any] | None = None,
+        d_kw: dict[str, Any] | None = None,
+        p_fetch: Callable[..., Any] = fetch_agent_info,
+        **spec: Any,
+    ) -> None:
         self.fabric = Fabric()
         worker = {**FAST, **spec.pop("worker", {})}
-        self.p = SimEngine(SimSpec("P", free_port(), worker=worker, **spec, **(p_kw or {})),
-                           MemoryTransport(self.fabric, make_agent_name("P", 0)), fetch=p_fetch)
-        self.d = SimEngine(SimSpec("D", free_port(), worker=worker, **spec, **(d_kw or {})),
-                           MemoryTransport(self.fabric, make_agent_name("D", 0)))
+        self.p = SimEngine(
+            SimSpec("P", free_port(), worker=worker, **spec, **(p_kw or {})),
+            MemoryTransport(self.fabric, make_agent_name("P", 0)),
+            fetch=p_fetch,
+        )
+        self.d = SimEngine(
+            SimSpec("D", free_port(), worker=worker, **spec, **(d_kw or {})),
+            MemoryTransport(self.fabric, make_agent_name("D", 0)),
+        )
         self.p_events: list[tuple[str, str, dict[str, Any]]] = []
         self.d_events: list[tuple[str, str, dict[str, Any]]] = []
 
@@ -50,7 +60,9 @@ class Pair:
         return [k for k, r, _ in self.p_events if r == rid and k != "staged"]
 
     def settle(self) -> None:
-        self.until(lambda: self.p.held_blocks() == 0 and self.d.held_blocks() == 0, what="no held blocks")
+        self.until(
+            lambda: self.p.held_blocks() == 0 and self.d.held_blocks() == 0, what="no held blocks"
+        )
 
     def close(self) -> None:
         self.p.close()
@@ -76,7 +88,9 @@ def recv_ok(pair: Pair, rid: str) -> bool:
 
 @pytest.mark.parametrize("p_first", [True, False])
 @pytest.mark.parametrize("tid", ["tid-1", None])
-def test_both_arrival_orders(pair_factory: Callable[..., Pair], p_first: bool, tid: str | None) -> None:
+def test_both_arrival_orders(
+    pair_factory: Callable[..., Pair], p_first: bool, tid: str | None
+) -> None:
     pair = pair_factory()
     if p_first:
         pair.p.prefill("cmpl-x-0-aaaaaaaa", tid, 6)  # type: ignore[arg-type]
@@ -144,6 +158,7 @@ def test_renewed_lease_survives(pair_factory: Callable[..., Pair]) -> None:
     # The push is deferred behind P's slow handshake for longer than the lease;
     # D's heartbeats keep renewing it.
     import time
+
     end = time.monotonic() + 0.9
     pair.until(lambda: time.monotonic() > end)
     assert "sent" not in pair.p_kinds("p1")
@@ -191,10 +206,17 @@ def test_out_of_range_registration_never_writes(pair_factory: Callable[..., Pair
     pair.until(lambda: recv_ok(pair, "d0"))
     pair.p.prefill("p1", "t1", 2)
     reg = wire.PushReg(
-        request_id="d1", decode_engine_id="D", decode_host="127.0.0.1",
-        decode_port=pair.d.spec.port, decode_tp_size=1, local_block_ids=[[1, 10**6]],
-        remote_engine_id="P", remote_host="127.0.0.1", remote_port=pair.p.spec.port,
-        remote_tp_size=1, transfer_id="t1",
+        request_id="d1",
+        decode_engine_id="D",
+        decode_host="127.0.0.1",
+        decode_port=pair.d.spec.port,
+        decode_tp_size=1,
+        local_block_ids=[[1, 10**6]],
+        remote_engine_id="P",
+        remote_host="127.0.0.1",
+        remote_port=pair.p.spec.port,
+        remote_tp_size=1,
+        transfer_id="t1",
     )
     writes = pair.p.worker.stats["writes"]
     pair.d.worker.transport.send_notif(pair.p.worker.info.agent_name, wire.encode(reg))
@@ -213,8 +235,10 @@ def test_cancel_while_deferred_behind_handshake(pair_factory: Callable[..., Pair
     pair = pair_factory(p_fetch=gated)
     pair.p.prefill("p1", "t1", 3)
     pair.register("d1", "t1", 3)
-    pair.until(lambda: any(t.state.value == "deferred"
-                           for t in pair.p.worker.producer.by_prid.values()), what="deferred")
+    pair.until(
+        lambda: any(t.state.value == "deferred" for t in pair.p.worker.producer.by_prid.values()),
+        what="deferred",
+    )
     pair.d.abort("d1")
     pair.until(lambda: "sent" in pair.p_kinds("p1"), what="P ends the cancelled push")
     assert pair.d.held_blocks() == 3  # fence: D keeps its blocks until P confirms
@@ -234,8 +258,12 @@ def test_cancel_during_write_keeps_blocks_until_outcome(pair_factory: Callable[.
     pair.register("d1", "t1", 4)
     pair.until(lambda: len(pair.p.worker.producer.writing) == 1, what="WRITE in flight")
     pair.d.abort("d1")
-    pair.until(lambda: len(pair.d.worker.consumer.recvs) == 1 and
-               next(iter(pair.d.worker.consumer.recvs.values())).state.value == "cancelling")
+    pair.until(
+        lambda: (
+            len(pair.d.worker.consumer.recvs) == 1
+            and next(iter(pair.d.worker.consumer.recvs.values())).state.value == "cancelling"
+        )
+    )
     for _ in range(20):
         pair.step()
     assert pair.d.held_blocks() == 4
@@ -248,8 +276,14 @@ def test_malformed_notifications_do_not_stop_the_writer(pair_factory: Callable[.
     pair = pair_factory()
     p_agent = pair.p.worker.info.agent_name
     pair.d.worker.transport.add_peer(p_agent, p_agent.encode())
-    for junk in [b"", b"garbage", b"PUSH_REG:\x00\x01", b"nope:0", b"PUSH_HB:\xc1",
-                 wire.encode(wire.Completion("unknown-request", 1))]:
+    for junk in [
+        b"",
+        b"garbage",
+        b"PUSH_REG:\x00\x01",
+        b"nope:0",
+        b"PUSH_HB:\xc1",
+        wire.encode(wire.Completion("unknown-request", 1)),
+    ]:
         pair.d.worker.transport.send_notif(p_agent, junk)
     pair.until(lambda: pair.p.worker.stats["rejected"] == 5, what="5 rejections")
     assert pair.p.worker.stats["writer_errors"] == 0

@@ -1,0 +1,6 @@
+#!/usr/bin/env bash
+# Set up .venv (first run only) and run the demo. Extra arguments go to `kvpush demo`.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+"$root/scripts/bootstrap.sh"
+exec "$root/.venv/bin/kvpush" demo "$@"

@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# Set up .venv with the test tools (first run only), lint, type-check and run every test.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+scripts/bootstrap.sh --test
+.venv/bin/ruff check kvpush tests
+.venv/bin/mypy
+exec .venv/bin/python -m pytest -q "$@"
