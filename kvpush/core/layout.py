@@ -168,3 +168,40 @@ def build_write_descs(
         empty = np.zeros((0, 3), dtype=np.int64)
         return empty, empty.copy()
     return np.concatenate(src_parts), np.concatenate(dst_parts)
+
+
+def block_descs(layout: KVLayout) -> np.ndarray:
+    """One (address, length, device) row per physical block of every region, region-major.
+
+    The prepped-list form of a layout: row ``block_index(layout, r, b)`` is block b of region r.
+    """
+    rows = [
+        np.stack(
+            [
+                r.base_addr + np.arange(r.num_blocks, dtype=np.int64) * r.block_len,
+                np.full(r.num_blocks, r.block_len, dtype=np.int64),
+                np.full(r.num_blocks, r.device_id, dtype=np.int64),
+            ],
+            axis=1,
+        )
+        for r in layout.regions
+    ]
+    return np.concatenate(rows) if rows else np.zeros((0, 3), dtype=np.int64)
+
+
+def block_indices(layout: KVLayout, groups: Sequence[Sequence[int]]) -> np.ndarray:
+    """Rows of ``block_descs(layout)`` for the given logical ids, region by region."""
+    validate_block_ids(layout, groups)
+    offsets = np.cumsum([0] + [r.num_blocks for r in layout.regions])
+    parts = [
+        offsets[i] + expand(groups[r.group], layout.physical_per_logical)
+        for i, r in enumerate(layout.regions)
+    ]
+    return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, dtype=np.int64)
+
+
+def same_block_shape(a: KVLayout, b: KVLayout) -> bool:
+    """True when both sides' physical blocks pair one to one (prepped lists are usable)."""
+    return len(a.regions) == len(b.regions) and all(
+        x.block_len == y.block_len for x, y in zip(a.regions, b.regions, strict=True)
+    )

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from kvpush.core import wire
 from kvpush.core.errors import HandshakeError, LayoutError, PeerGoneError, TransportError
 from kvpush.core.ids import Key, MatchTable
-from kvpush.core.layout import build_write_descs
+from kvpush.core.layout import block_indices, build_write_descs
 from kvpush.core.transport import WriteState
 from kvpush.core.types import ENDED, StagedBlocks, State, transition
 
@@ -244,14 +244,27 @@ class Producer:
             self._fail(t, peer, f"registration sent by {t.sender}, not by {peer.agent}")
             return
         try:
-            src, dst = self._descs(t, reg, peer)
+            src_groups = self._source_blocks(t, reg)
             notif = wire.encode_completion(reg.request_id, self.w.config.tp_size)
+            if peer.prepped is not None:
+                src = block_indices(self.w.layout, src_groups)
+                dst = block_indices(peer.info.layout, reg.local_block_ids)
+            else:
+                src, dst = build_write_descs(
+                    self.w.layout, peer.info.layout, src_groups, reg.local_block_ids
+                )
         except (LayoutError, wire.WireError) as e:
             self.w.stats["reg_invalid"] += 1
             self._fail(t, peer, f"invalid registration: {e}")
             return
+        tr = self.w.transport
         try:
-            t.handle = self.w.transport.write(peer.agent, src, dst, notif)
+            if peer.prepped is not None:
+                t.handle = tr.write_prepped(
+                    peer.agent, self.w.local_prepped, src, peer.prepped, dst, notif
+                )
+            else:
+                t.handle = tr.write(peer.agent, src, dst, notif)
         except TransportError as e:
             self.w.stats["write_failed"] += 1
             if isinstance(e, PeerGoneError):
@@ -261,10 +274,11 @@ class Producer:
         self.writing[t.prid] = t
         self.w.stats["writes"] += 1
         self.w.stats["write_descs"] += len(src)
-        self.w.stats["write_bytes"] += int(src[:, 1].sum()) if len(src) else 0
+        if peer.prepped is None and len(src):
+            self.w.stats["write_bytes"] += int(src[:, 1].sum())
         transition(t, State.WRITING, t.name, f"{len(src)} descriptors")
 
-    def _descs(self, t: PushTransfer, reg: wire.PushReg, peer: Peer) -> Any:
+    def _source_blocks(self, t: PushTransfer, reg: wire.PushReg) -> list[list[int]]:
         dst = reg.local_block_ids
         if len(dst) != len(t.blocks):
             raise LayoutError(f"{len(dst)} block groups, P holds {len(t.blocks)}")
@@ -276,7 +290,7 @@ class Producer:
                 )
             # D may already hold a prefix (its own cache): P writes the tail.
             src.append(p_ids[len(p_ids) - len(d_ids) :])
-        return build_write_descs(self.w.layout, peer.info.layout, src, dst)
+        return src
 
     def check_writes(self) -> int:
         changed = 0

@@ -113,6 +113,9 @@ class WorkerConfig:
     handshake_timeout_s: float = 5.0
     registration_ttl_s: float = 60.0  # P drops a registration its prefill never matched
     handshake_workers: int = 4
+    # "coalesced": build descriptors per WRITE, one per contiguous run (default).
+    # "prepped": prepare every block's descriptor once per peer and WRITE by index.
+    descriptor_mode: str = "coalesced"
 
     def __post_init__(self) -> None:
         if not self.engine_id:
@@ -134,6 +137,10 @@ class WorkerConfig:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.handshake_workers < 1:
             raise ConfigError("handshake_workers must be >= 1")
+        if self.descriptor_mode not in ("coalesced", "prepped"):
+            raise ConfigError(
+                f"descriptor_mode must be coalesced or prepped, not {self.descriptor_mode!r}"
+            )
 
 
 def expected_writers(p_tp: int, d_tp: int) -> int:

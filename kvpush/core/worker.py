@@ -24,7 +24,7 @@ from kvpush.core import wire
 from kvpush.core.consumer import Consumer
 from kvpush.core.errors import KVPushError, TransportError, WireError
 from kvpush.core.handshake import PROTOCOL_VERSION, AgentInfo, SideChannelServer, fetch_agent_info
-from kvpush.core.layout import KVLayout
+from kvpush.core.layout import KVLayout, block_descs, same_block_shape
 from kvpush.core.producer import Producer
 from kvpush.core.transport import Transport
 from kvpush.core.types import StepMeta, WorkerConfig, WorkerOutput
@@ -38,6 +38,7 @@ PeerKey = tuple[str, int]
 class Peer:
     key: PeerKey
     info: AgentInfo
+    prepped: object | None = None  # the peer's block descriptors, prepared (prepped mode)
 
     @property
     def agent(self) -> str:
@@ -65,6 +66,9 @@ class PushWorker:
         self.layout = layout
         self.stats: Counter[str] = Counter()
         transport.register(layout)
+        self.local_prepped: object | None = None
+        if config.descriptor_mode == "prepped":
+            self.local_prepped = transport.prep(None, block_descs(layout))
         self.info = AgentInfo(
             protocol_version=PROTOCOL_VERSION,
             engine_id=config.engine_id,
@@ -189,6 +193,8 @@ class PushWorker:
             return old
         self.transport.add_peer(info.agent_name, info.nixl_metadata)
         peer = Peer(key, info)
+        if self.local_prepped is not None and same_block_shape(self.layout, info.layout):
+            peer.prepped = self.transport.prep(info.agent_name, block_descs(info.layout))
         self.peers[key] = peer
         self.peers_by_agent[info.agent_name] = peer
         log.info("connected to %s (%s:%d)", info.agent_name, host, port)
@@ -201,6 +207,8 @@ class PushWorker:
             return
         for key in [k for k, p in self.peers.items() if p is peer]:
             del self.peers[key]
+        if peer.prepped is not None:
+            self.transport.release_prepped(peer.prepped)
         self.transport.remove_peer(agent)
         log.warning("peer %s forgotten after a transport failure", agent)
 

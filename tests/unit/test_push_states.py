@@ -88,10 +88,11 @@ def recv_ok(pair: Pair, rid: str) -> bool:
 
 @pytest.mark.parametrize("p_first", [True, False])
 @pytest.mark.parametrize("tid", ["tid-1", None])
+@pytest.mark.parametrize("mode", ["coalesced", "prepped"])
 def test_both_arrival_orders(
-    pair_factory: Callable[..., Pair], p_first: bool, tid: str | None
+    pair_factory: Callable[..., Pair], p_first: bool, tid: str | None, mode: str
 ) -> None:
-    pair = pair_factory()
+    pair = pair_factory(worker={"descriptor_mode": mode})
     if p_first:
         pair.p.prefill("cmpl-x-0-aaaaaaaa", tid, 6)  # type: ignore[arg-type]
         pair.until(lambda: len(pair.p.worker.producer.staged) == 1)
