@@ -12,6 +12,8 @@ import sys
 # breaks the command that needs it.
 _COMMANDS = [
     "kvpush.sim.demo_cli",
+    "kvpush.tiny_model",
+    "kvpush.router.cli",
 ]
 
 

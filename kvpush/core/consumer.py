@@ -13,6 +13,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import msgspec
+
 from kvpush.core import wire
 from kvpush.core.errors import HandshakeError, LayoutError, TransportError
 from kvpush.core.layout import validate_block_ids
@@ -111,6 +113,7 @@ class Consumer:
             remote_tp_size=r.remote_tp_size,
             transfer_id=r.transfer_id,
             decode_tp_rank=cfg.tp_rank,
+            staging=self._offer(r),
         )
         if not self.w.notify(peer.agent, msg):
             self._end(t, State.FAILED, "failed", "could not send the registration to P")
@@ -145,7 +148,7 @@ class Consumer:
 
     # ---- notifications from P ------------------------------------------------------------
 
-    def on_completion(self, sender: str, c: wire.Completion) -> None:
+    def on_completion(self, sender: str, c: wire.Completion | wire.StagedDone) -> None:
         t = self.recvs.get(c.request_id)
         if t is None:
             self.w.stats["completion_unknown"] += 1
@@ -155,12 +158,17 @@ class Consumer:
             self.w.stats["completion_wrong_sender"] += 1
             log.warning("completion for %s from %s, expected %s", t.rid, sender, t.p_agent)
             return
+        if isinstance(c, wire.StagedDone) and t.state is not State.CANCELLING:
+            if not self._unstage(t):
+                return
         t.got += 1
         if t.got < t.expected:
             return
         if t.state is State.CANCELLING:
             self._end(t, State.CANCELLED, "released", "WRITE finished after cancel")
         else:
+            self.w.stats["recv_done"] += 1
+            self.w.stats["recv_bytes"] += self._nbytes(t)
             self._end(t, State.DONE, "recv")
 
     def on_push_fail(self, sender: str, f: wire.PushFail) -> None:
@@ -189,9 +197,38 @@ class Consumer:
         for agent, entries in held.items():
             self.w.notify(agent, wire.Heartbeat(entries=entries))
 
+    def _nbytes(self, t: RecvTransfer) -> int:
+        layout = self.w.layout
+        return sum(
+            layout.logical_bytes(i) * len(t.reg.block_ids[r.group])
+            for i, r in enumerate(layout.regions)
+        )
+
+    def _offer(self, r: RecvRegistration) -> wire.StagingSlot | msgspec.UnsetType:
+        """A staging slot for P's single WRITE (same TP on both sides only), else UNSET."""
+        hook = self.w.staging
+        if hook is None or r.remote_tp_size != self.w.config.tp_size:
+            return msgspec.UNSET
+        slot = hook.offer(r.request_id, r.block_ids)
+        return msgspec.UNSET if slot is None else slot
+
+    def _unstage(self, t: RecvTransfer) -> bool:
+        """Scatter a staged WRITE into the request's blocks; False (and failed) on error."""
+        try:
+            if self.w.staging is None:
+                raise LayoutError("staged completion, but this worker has no staging")
+            self.w.staging.unstage(t.rid, t.reg.block_ids)
+        except Exception as e:
+            self.w.stats["unstage_failed"] += 1
+            self._end(t, State.FAILED, "failed", f"scatter from staging failed: {e}")
+            return False
+        return True
+
     def _end(self, t: RecvTransfer, state: State, kind: str, reason: str = "") -> None:
         transition(t, state, t.name, reason)
         if state is State.FAILED or state is State.EXPIRED:
             log.warning("receive %s ended %s: %s", t.name, state.value, reason)
         self.recvs.pop(t.rid, None)
+        if self.w.staging is not None:
+            self.w.staging.release_recv(t.rid)
         self.w.emit(kind, t.rid, reason)

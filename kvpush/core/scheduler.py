@@ -46,6 +46,7 @@ class PushScheduler:
         self._new_cancels: list[str] = []
         self._aborted: set[str] = set()
         self._expired: set[str] = set()
+        self._rejected: dict[str, str] = {}
 
     # ---- P -------------------------------------------------------------------------------
 
@@ -77,6 +78,12 @@ class PushScheduler:
         self._watchdogs[reg.request_id] = now + self.config.watchdog_s
         self._new_regs.append(reg)
 
+    def reject(self, request_id: str, reason: str) -> None:
+        """D cannot register this request (bad parameters): the worker reports it failed."""
+        log.warning("request %s cannot be received: %s", request_id, reason)
+        self._expired.add(request_id)
+        self._rejected[request_id] = reason
+
     def abort(self, request_id: str) -> bool:
         """D aborts a request. True: keep its blocks until the worker reports ``released``."""
         if request_id not in self._watchdogs or request_id in self._aborted:
@@ -90,9 +97,13 @@ class PushScheduler:
     def build_meta(self, now: float | None = None) -> StepMeta:
         now = time.monotonic() if now is None else now
         meta = StepMeta(
-            registrations=self._new_regs, cancels=self._new_cancels, finished=self._new_finished
+            registrations=self._new_regs,
+            cancels=self._new_cancels,
+            finished=self._new_finished,
+            rejected=self._rejected,
         )
         self._new_regs, self._new_cancels, self._new_finished = [], [], []
+        self._rejected = {}
         for rid, deadline in list(self._leases.items()):
             if deadline <= now and rid not in self._evicting:
                 log.warning("lease of request %s expired; evicting its push", rid)

@@ -69,10 +69,16 @@ class StepMeta:
     expired: list[str] = field(default_factory=list)  # D request ids past their watchdog
     finished: list[StagedBlocks] = field(default_factory=list)
     evictions: list[str] = field(default_factory=list)  # P request ids past their lease
+    rejected: dict[str, str] = field(default_factory=dict)  # D request ids -> why unusable
 
     def __bool__(self) -> bool:
         return bool(
-            self.registrations or self.cancels or self.expired or self.finished or self.evictions
+            self.registrations
+            or self.cancels
+            or self.expired
+            or self.finished
+            or self.evictions
+            or self.rejected
         )
 
 

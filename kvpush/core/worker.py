@@ -26,6 +26,7 @@ from kvpush.core.errors import KVPushError, TransportError, WireError
 from kvpush.core.handshake import PROTOCOL_VERSION, AgentInfo, SideChannelServer, fetch_agent_info
 from kvpush.core.layout import KVLayout, block_descs, same_block_shape
 from kvpush.core.producer import Producer
+from kvpush.core.staging import StagingHook
 from kvpush.core.transport import Transport
 from kvpush.core.types import StepMeta, WorkerConfig, WorkerOutput
 
@@ -59,6 +60,7 @@ class PushWorker:
         transport: Transport,
         layout: KVLayout,
         fetch: Callable[..., AgentInfo] = fetch_agent_info,
+        staging: StagingHook | None = None,
     ) -> None:
         self.config = config
         self._fetch = fetch  # tests substitute a gated or failing handshake
@@ -66,6 +68,9 @@ class PushWorker:
         self.layout = layout
         self.stats: Counter[str] = Counter()
         transport.register(layout)
+        self.staging = staging  # optional gather / one WRITE / scatter path (core/staging.py)
+        if staging is not None:
+            transport.register(KVLayout([staging.region], layout.block_size, 1, layout.mem_type))
         self.local_prepped: object | None = None
         if config.descriptor_mode == "prepped":
             self.local_prepped = transport.prep(None, block_descs(layout))
@@ -77,6 +82,7 @@ class PushWorker:
             agent_name=transport.agent_name,
             nixl_metadata=transport.metadata(),
             layout=layout,
+            staging=staging.region if staging is not None else None,
         )
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -108,6 +114,8 @@ class PushWorker:
             self.producer.finished_blocks_inbox.put(staged)
         for rid in meta.evictions:
             self.producer.evict_finished_inbox.put(rid)
+        for rid, reason in meta.rejected.items():
+            self.emit("failed", rid, reason)
         if meta:
             self._wake.set()
 
@@ -302,7 +310,7 @@ class PushWorker:
     def _dispatch(self, sender: str, msg: wire.Message) -> None:
         if isinstance(msg, wire.PushReg):
             self.producer.on_push_reg(sender, msg)
-        elif isinstance(msg, wire.Completion):
+        elif isinstance(msg, wire.Completion | wire.StagedDone):
             self.consumer.on_completion(sender, msg)
         elif isinstance(msg, wire.PushFail):
             self.consumer.on_push_fail(sender, msg)

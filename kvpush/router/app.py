@@ -252,10 +252,10 @@ async def _serve_stream(
     try:
         upstream = await _until_decode_done(prefill, opening)
     except legs.LegError as err:
-        _settle(app, tid, prefill, False, opening)
+        _abandon_stream(app, tid, prefill, opening)
         return _leg_failed(app, err, tid)
     except BaseException:
-        _settle(app, tid, prefill, False, opening)
+        _abandon_stream(app, tid, prefill, opening)
         raise
     # From here the client has a 200: a later failure can only be reported in-stream.
     out = web.StreamResponse(
@@ -281,9 +281,9 @@ async def _serve_stream(
         event = b"data: " + json.dumps(err.to_json(tid)).encode() + b"\n\n"
         try:
             await out.write(event)
-        except (ConnectionError, RuntimeError):
+        except ConnectionError:
             pass  # the client is gone too
-    except (ConnectionError, RuntimeError):
+    except ConnectionError:
         log.info("transfer %s: client went away mid-stream", tid)
     finally:
         upstream.release()
@@ -291,6 +291,19 @@ async def _serve_stream(
     if ok:
         await out.write_eof()
     return out
+
+
+def _abandon_stream(
+    app: web.Application,
+    tid: str,
+    prefill: asyncio.Task[Any],
+    opening: asyncio.Task[aiohttp.ClientResponse],
+) -> None:
+    # The decode stream may have opened just as the prefill leg failed: give its
+    # connection back rather than leak it.
+    if opening.done() and not opening.cancelled() and opening.exception() is None:
+        opening.result().release()
+    _settle(app, tid, prefill, False, opening)
 
 
 async def _pump(upstream: aiohttp.ClientResponse, out: web.StreamResponse, timeout: float) -> bool:

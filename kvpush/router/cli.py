@@ -63,5 +63,13 @@ def run(args: argparse.Namespace) -> int:
         prefill_side_channel=args.prefill_side_channel,
         decode_kv_extra=args.decode_kv_extra,
     )
-    web.run_app(make_app(config), host=args.host, port=args.port, access_log=None)
+    # handler_cancellation: a client that hangs up cancels its handler, whose cleanup then
+    # cancels both legs, so P and D abort the request instead of finishing it for nobody.
+    web.run_app(
+        make_app(config),
+        host=args.host,
+        port=args.port,
+        access_log=None,
+        handler_cancellation=True,
+    )
     return 0

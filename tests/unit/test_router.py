@@ -77,7 +77,8 @@ async def running(
     config = RouterConfig(
         prefill_url=urls[0], decode_url=urls[1], timeout=timeout, prefill_side_channel=SIDE_CHANNEL
     )
-    router, router_url = await serve(make_app(config))
+    # As `kvpush router` runs it: a client hang-up cancels the handler.
+    router, router_url = await serve(make_app(config), handler_cancellation=True)
     runners.insert(0, router)
     try:
         async with aiohttp.ClientSession() as client:
@@ -267,6 +268,42 @@ def test_decode_that_never_answers_gives_504_within_timeout(stream: bool) -> Non
                 err = (await resp.json())["error"]
         assert err["leg"] == "decode" and err["type"] == "upstream_timeout"
         assert timeout <= elapsed < timeout + 2.0
+
+    asyncio.run(main())
+
+
+def test_client_hang_up_cancels_both_legs() -> None:
+    arrived: set[str] = set()
+    both_arrived = asyncio.Event()
+    cancelled: set[str] = set()
+    both_cancelled = asyncio.Event()
+    never = asyncio.Event()
+
+    def make(name: str) -> Handler:
+        async def handler(request: web.Request) -> web.Response:
+            arrived.add(name)
+            if len(arrived) == 2:
+                both_arrived.set()
+            try:
+                await asyncio.wait_for(never.wait(), DEADLINE)
+            except asyncio.CancelledError:
+                cancelled.add(name)
+                if len(cancelled) == 2:
+                    both_cancelled.set()
+                raise
+            return web.json_response({})
+
+        return handler
+
+    async def main() -> None:
+        async with running(stub(make("prefill")), stub(make("decode"))) as (url, cl):
+            call = asyncio.create_task(cl.post(url + "/v1/completions", json=completion_body()))
+            await asyncio.wait_for(both_arrived.wait(), DEADLINE)
+            call.cancel()  # the client goes away mid-request
+            await asyncio.gather(call, return_exceptions=True)
+            await asyncio.wait_for(both_cancelled.wait(), DEADLINE)
+            async with cl.get(url + "/metrics") as resp:
+                assert "kvpush_router_in_flight 0" in await resp.text()
 
     asyncio.run(main())
 

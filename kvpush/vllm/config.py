@@ -1,0 +1,73 @@
+"""kvpush's options for vLLM, read from kv_connector_extra_config and the environment."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+from typing import Any
+
+from kvpush.core.errors import ConfigError
+
+ENV_HOST = "KVPUSH_SIDE_CHANNEL_HOST"
+ENV_PORT = "KVPUSH_SIDE_CHANNEL_PORT"
+
+
+@dataclass(frozen=True)
+class ConnectorOptions:
+    """Everything the connector takes from ``kv_connector_extra_config``.
+
+    ``side_channel_port`` is rank 0's handshake port; TP rank r listens on port + r.
+    """
+
+    side_channel_host: str = "127.0.0.1"
+    side_channel_port: int = 5600
+    lease_s: float = 30.0
+    watchdog_s: float = 30.0
+    heartbeat_interval_s: float = 1.0
+    handshake_timeout_s: float = 5.0
+    registration_ttl_s: float = 60.0
+    descriptor_mode: str = "coalesced"
+
+    @classmethod
+    def parse(
+        cls, extra: dict[str, Any] | None, env: dict[str, str] | None = None
+    ) -> ConnectorOptions:
+        """Validate ``extra`` (unknown keys and wrong types are errors) over env defaults."""
+        env = dict(os.environ) if env is None else env
+        values: dict[str, Any] = {}
+        if ENV_HOST in env:
+            values["side_channel_host"] = env[ENV_HOST]
+        if ENV_PORT in env:
+            values["side_channel_port"] = env[ENV_PORT]
+        known = {f.name: f for f in fields(cls)}
+        for key, value in (extra or {}).items():
+            if key not in known:
+                raise ConfigError(
+                    f"unknown kvpush option {key!r} in kv_connector_extra_config; "
+                    f"known: {', '.join(sorted(known))}"
+                )
+            values[key] = value
+        out: dict[str, Any] = {}
+        for key, value in values.items():
+            kind = type(getattr(cls, key))
+            try:
+                out[key] = kind(value)
+            except (TypeError, ValueError):
+                raise ConfigError(
+                    f"kvpush option {key}={value!r} is not a {kind.__name__}"
+                ) from None
+        opts = cls(**out)
+        if not 0 < opts.side_channel_port < 65536:
+            raise ConfigError(f"side_channel_port {opts.side_channel_port} out of range")
+        for name in (
+            "lease_s",
+            "watchdog_s",
+            "heartbeat_interval_s",
+            "handshake_timeout_s",
+            "registration_ttl_s",
+        ):
+            if not getattr(opts, name) > 0:
+                raise ConfigError(f"kvpush option {name} must be > 0")
+        if opts.descriptor_mode not in ("coalesced", "prepped"):
+            raise ConfigError("descriptor_mode must be 'coalesced' or 'prepped'")
+        return opts

@@ -1,0 +1,128 @@
+"""The connector's scheduler role: maps vLLM requests onto kvpush's PushScheduler.
+
+Written against the attributes vLLM's ``Request`` offers (``request_id``,
+``kv_transfer_params``, ``prompt_token_ids``, ``status``) so it can be unit
+tested with plain objects.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from kvpush.core.scheduler import PushScheduler, SchedulerConfig
+from kvpush.core.types import RecvRegistration, WorkerOutput
+from kvpush.vllm.config import ConnectorOptions
+
+log = logging.getLogger(__name__)
+
+# A mark in the request's own params: its blocks are registered (the engine calls
+# update_state_after_alloc again once the KV has arrived).
+_REGISTERED = "_kvpush_registered"
+
+
+def _params(request: Any) -> dict[str, Any]:
+    params = getattr(request, "kv_transfer_params", None)
+    return params if isinstance(params, dict) else {}
+
+
+class SchedulerSide:
+    def __init__(
+        self,
+        engine_id: str,
+        opts: ConnectorOptions,
+        is_producer: bool,
+        is_consumer: bool,
+        tp_size: int,
+    ) -> None:
+        self.engine_id = engine_id
+        self.opts = opts
+        self.is_producer = is_producer
+        self.is_consumer = is_consumer
+        self.tp_size = tp_size
+        self.sched = PushScheduler(SchedulerConfig(opts.lease_s, opts.watchdog_s))
+
+    # ---- D ---------------------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        params = _params(request)
+        if not (self.is_consumer and params.get("do_remote_prefill")) or params.get(_REGISTERED):
+            return 0, False
+        count = len(getattr(request, "prompt_token_ids", None) or ()) - num_computed_tokens
+        return (count, True) if count > 0 else (0, False)
+
+    def update_state_after_alloc(
+        self,
+        request: Any,
+        block_groups: tuple[list[int], ...],
+        num_external_tokens: int,
+        block_size: int,
+    ) -> None:
+        params = _params(request)
+        if (
+            num_external_tokens <= 0
+            or not params.get("do_remote_prefill")
+            or params.get(_REGISTERED)
+        ):
+            return
+        params[_REGISTERED] = True
+        rid = request.request_id
+        # P sends the blocks holding the external tokens: the last ones D allocated.
+        need = -(-num_external_tokens // block_size)
+        groups = [list(g[-need:]) if need else [] for g in block_groups]
+        try:
+            reg = RecvRegistration(
+                request_id=rid,
+                block_ids=groups,
+                remote_engine_id=str(params.get("remote_engine_id") or "prefill"),
+                remote_host=str(params["remote_host"]),
+                remote_port=int(params["remote_port"]),
+                remote_tp_size=int(params.get("remote_tp_size", params.get("tp_size", 1))),
+                transfer_id=str(params["transfer_id"]) if params.get("transfer_id") else None,
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            self.sched.reject(rid, f"kv_transfer_params lack the prefiller's side channel: {e!r}")
+            return
+        self.sched.add_registration(reg)
+
+    # ---- P and D ---------------------------------------------------------------------------
+
+    def request_finished(
+        self, request: Any, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        params = _params(request)
+        rid = request.request_id
+        if self.is_consumer and params.get("do_remote_prefill"):
+            # Still waiting for P's WRITE? Then keep the blocks until P cannot touch them.
+            return self.sched.abort(rid), None
+        if not (self.is_producer and params.get("do_remote_decode")):
+            return False, None
+        status = str(getattr(request, "status", ""))
+        if not block_ids or status not in ("FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED"):
+            return False, None
+        tid = params.get("transfer_id")
+        held = self.sched.request_finished(rid, [list(block_ids)], str(tid) if tid else None)
+        return held, {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "transfer_id": tid,
+            "remote_engine_id": self.engine_id,
+            "remote_host": self.opts.side_channel_host,
+            "remote_port": self.opts.side_channel_port,
+            "remote_tp_size": self.tp_size,
+        }
+
+    def update(self, sending: set[str], recving: set[str], worker_meta: Any) -> None:
+        """Apply one step's aggregated worker output."""
+        released = set(getattr(worker_meta, "released", ()) or ())
+        failed = dict(getattr(worker_meta, "failed", {}) or {})
+        out = WorkerOutput(
+            finished_sending=set(sending),
+            finished_recving=set(recving) - released - set(failed),
+            failed_recving=failed,
+            released=released,
+            renewed=set(getattr(worker_meta, "renewed", ()) or ()),
+        )
+        self.sched.update(out)

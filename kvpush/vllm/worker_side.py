@@ -1,0 +1,138 @@
+"""The connector's worker role: registers vLLM's KV-cache tensors and drives a PushWorker."""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvpush.core.errors import ConfigError
+from kvpush.core.layout import KVLayout, Region
+from kvpush.core.types import StepMeta, WorkerConfig
+from kvpush.core.worker import PushWorker, make_agent_name
+from kvpush.vllm.config import ConnectorOptions
+
+log = logging.getLogger(__name__)
+
+STAT_KEYS = ("bytes_sent", "bytes_received", "pushes_sent", "pushes_received", "push_failures")
+
+
+@dataclass
+class StepReport:
+    """One step's results, split the way vLLM wants them."""
+
+    finished_sending: set[str] = field(default_factory=set)
+    finished_recving: set[str] = field(default_factory=set)  # includes failed and released
+    failed: dict[str, str] = field(default_factory=dict)
+    released: set[str] = field(default_factory=set)
+    renewed: set[str] = field(default_factory=set)
+
+
+def layout_from_tensors(kv_caches: dict[str, Any], num_blocks: int, block_size: int) -> KVLayout:
+    """One region per layer (or per K and V when they are separate tensors' halves).
+
+    A layer tensor either has blocks outermost (``[num_blocks, ...]``, as vLLM's CPU
+    backend) or K/V outermost (``[2, num_blocks, ...]``); either way each block of a
+    region must be one contiguous range.
+    """
+    regions: list[Region] = []
+    mem_type = "DRAM"
+    for name, t in kv_caches.items():
+        mem_type = "VRAM" if getattr(t, "is_cuda", False) else "DRAM"
+        device = int(t.device.index or 0) if mem_type == "VRAM" else 0
+        if t.shape[0] == num_blocks:
+            halves = [("", t)]
+        elif t.shape[0] == 2 and t.shape[1] == num_blocks:
+            halves = [(".k", t[0]), (".v", t[1])]
+        else:
+            raise ConfigError(f"KV cache {name} has shape {tuple(t.shape)}: no block dimension")
+        for suffix, part in halves:
+            block_len = part.stride(0) * part.element_size()
+            if part[0].numel() * part.element_size() != block_len:
+                raise ConfigError(f"KV cache {name}: a block is not one contiguous range")
+            regions.append(Region(name + suffix, part.data_ptr(), block_len, num_blocks, device))
+    return KVLayout(regions=regions, block_size=block_size, mem_type=mem_type)  # type: ignore[arg-type]
+
+
+class WorkerSide:
+    def __init__(self, engine_id: str, opts: ConnectorOptions, tp_rank: int, tp_size: int) -> None:
+        self.engine_id = engine_id
+        self.opts = opts
+        self.tp_rank = tp_rank
+        self.tp_size = tp_size
+        self.worker: PushWorker | None = None
+        self._reported: Counter[str] = Counter()
+        self._meta = StepReport()
+
+    def register(self, kv_caches: dict[str, Any], num_blocks: int, block_size: int) -> None:
+        from kvpush.core.nixl_transport import NixlTransport
+
+        layout = layout_from_tensors(kv_caches, num_blocks, block_size)
+        cfg = WorkerConfig(
+            engine_id=self.engine_id,
+            host=self.opts.side_channel_host,
+            port=self.opts.side_channel_port + self.tp_rank,
+            tp_rank=self.tp_rank,
+            tp_size=self.tp_size,
+            heartbeat_interval_s=self.opts.heartbeat_interval_s,
+            handshake_timeout_s=self.opts.handshake_timeout_s,
+            registration_ttl_s=self.opts.registration_ttl_s,
+            descriptor_mode=self.opts.descriptor_mode,
+        )
+        transport = NixlTransport(make_agent_name(self.engine_id, self.tp_rank))
+        self.worker = PushWorker(cfg, transport, layout)
+        log.info(
+            "kvpush worker %s rank %d: %d regions, side channel %s:%d",
+            self.engine_id,
+            self.tp_rank,
+            len(layout.regions),
+            cfg.host,
+            cfg.port,
+        )
+
+    def start_step(self, meta: StepMeta | None) -> None:
+        if self.worker is not None and meta is not None:
+            self.worker.start_step(meta)
+
+    def collect(self) -> StepReport:
+        """This step's finished ids; also stashes what goes back as worker metadata."""
+        if self.worker is None:
+            return StepReport()
+        out = self.worker.get_finished()
+        report = StepReport(
+            finished_sending=out.finished_sending,
+            finished_recving=out.finished_recving | out.released | set(out.failed_recving),
+            failed=out.failed_recving,
+            released=out.released,
+            renewed=out.renewed,
+        )
+        self._meta.failed.update(out.failed_recving)
+        self._meta.released |= out.released
+        self._meta.renewed |= out.renewed
+        return report
+
+    def take_meta(self) -> StepReport | None:
+        meta, self._meta = self._meta, StepReport()
+        return meta if (meta.failed or meta.released or meta.renewed) else None
+
+    def stats_delta(self) -> dict[str, int]:
+        """Counters since the last call (what vLLM's stats pipeline wants)."""
+        if self.worker is None:
+            return {}
+        s = self.worker.stats
+        now = {
+            "bytes_sent": s["write_bytes"],
+            "bytes_received": s["recv_bytes"],
+            "pushes_sent": s["writes_done"],
+            "pushes_received": s["recv_done"],
+            "push_failures": s["write_failed"] + s["handshake_failed"],
+        }
+        delta = {k: int(v - self._reported[k]) for k, v in now.items()}
+        self._reported.update(delta)
+        return {k: v for k, v in delta.items() if v}
+
+    def shutdown(self) -> None:
+        if self.worker is not None:
+            self.worker.shutdown()
+            self.worker = None
