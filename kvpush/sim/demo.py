@@ -8,7 +8,6 @@ blocks still held, KV-ready latency and throughput.
 from __future__ import annotations
 
 import random
-import socket
 import time
 import uuid
 from dataclasses import dataclass
@@ -16,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from kvpush.deploy.servers import free_port
 from kvpush.sim.engine import SimSpec
 from kvpush.sim.process import EngineProcess
 
@@ -31,12 +31,6 @@ class DemoOptions:
     seed: int = 0
     timeout_s: float = 120.0
     log_level: str = "WARNING"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _suffix(rng: random.Random) -> str:

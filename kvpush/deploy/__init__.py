@@ -1,0 +1,1 @@
+"""Launching vLLM servers and the router: the demo, end-to-end tests and benchmarks."""

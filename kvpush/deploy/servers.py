@@ -1,0 +1,223 @@
+"""Start and stop vLLM servers and the router as subprocesses (demo, tests, benchmarks).
+
+Nothing here imports vLLM: servers run ``python -m vllm.entrypoints.openai.api_server``
+in the same interpreter environment.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+HEALTH_TIMEOUT_S = 240.0
+
+
+def free_port() -> int:
+    """A free port below the kernel's ephemeral range (32768+), so that a port vLLM or
+    ZMQ picks for itself later cannot collide with the one we hand out now."""
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randint(20000, 32000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 20000-32000")
+
+
+def kvpush_config(role: str, engine_id: str, side_port: int, **extra: Any) -> dict[str, Any]:
+    """A --kv-transfer-config for kvpush's connector (role: kv_producer or kv_consumer)."""
+    return {
+        "kv_connector": "KVPushConnector",
+        "kv_connector_module_path": "kvpush.vllm",
+        "kv_role": role,
+        "engine_id": engine_id,
+        "kv_connector_extra_config": {"side_channel_port": side_port, **extra},
+    }
+
+
+@dataclass
+class ServerSpec:
+    name: str
+    model: str
+    port: int = 0
+    kv_config: dict[str, Any] | None = None
+    core: int = 0  # the CPU core vLLM's OpenMP threads are bound to
+    env: dict[str, str] = field(default_factory=dict)
+    max_model_len: int = 512
+    max_num_seqs: int = 4
+    log_dir: str = "."
+
+
+class Proc:
+    """A subprocess in its own process group, with its output in a log file."""
+
+    def __init__(self, name: str, argv: list[str], env: dict[str, str], log_path: Path) -> None:
+        self.name = name
+        self.log_path = log_path
+        self._log = open(log_path, "ab")
+        self.popen = subprocess.Popen(
+            argv,
+            env=env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def stop(self, timeout: float = 20.0) -> None:
+        if self.alive():
+            self._signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self._signal(signal.SIGKILL)
+                self.popen.wait(10)
+        self._log.close()
+
+    def kill(self) -> None:
+        if self.alive():
+            self._signal(signal.SIGKILL)
+            self.popen.wait(10)
+
+    def _signal(self, sig: int) -> None:
+        try:
+            os.killpg(self.popen.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+
+class VllmServer(Proc):
+    def __init__(self, spec: ServerSpec) -> None:
+        self.spec = spec
+        if not spec.port:
+            spec.port = free_port()
+        argv = [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            spec.model,
+            "--dtype",
+            "float32",
+            "--max-model-len",
+            str(spec.max_model_len),
+            "--max-num-seqs",
+            str(spec.max_num_seqs),
+            "--enforce-eager",
+            "--no-enable-prefix-caching",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(spec.port),
+        ]
+        if spec.kv_config is not None:
+            argv += ["--kv-transfer-config", json.dumps(spec.kv_config)]
+        env = {
+            **os.environ,
+            "HF_HUB_OFFLINE": "1",
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "VLLM_CPU_OMP_THREADS_BIND": str(spec.core),
+            **spec.env,
+        }
+        log_dir = Path(spec.log_dir)
+        log_dir.mkdir(parents=True, exist_ok=True)
+        super().__init__(spec.name, argv, env, log_dir / f"{spec.name}.log")
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.spec.port}"
+
+
+class RouterProc(Proc):
+    def __init__(
+        self,
+        prefill: str,
+        decode: str,
+        side_channel: str,
+        log_dir: str,
+        port: int = 0,
+        extra: list[str] | None = None,
+    ) -> None:
+        self.port = port or free_port()
+        argv = [
+            sys.executable,
+            "-m",
+            "kvpush.cli",
+            "router",
+            "--prefill",
+            prefill,
+            "--decode",
+            decode,
+            "--port",
+            str(self.port),
+            "--prefill-side-channel",
+            side_channel,
+            *(extra or []),
+        ]
+        super().__init__("router", argv, dict(os.environ), Path(log_dir) / "router.log")
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+def wait_healthy(procs: list[Any], timeout: float = HEALTH_TIMEOUT_S) -> None:
+    """Poll each process's /health until 200; raise with its log tail if it dies or times out."""
+    deadline = time.monotonic() + timeout
+    pending = list(procs)
+    while pending:
+        for p in list(pending):
+            if not p.alive():
+                raise RuntimeError(f"{p.name} exited ({p.popen.returncode}):\n{p.tail()}")
+            try:
+                with urllib.request.urlopen(p.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        pending.remove(p)
+            except (urllib.error.URLError, OSError):
+                pass
+        if pending and time.monotonic() > deadline:
+            names = ", ".join(p.name for p in pending)
+            raise TimeoutError(f"{names} not healthy after {timeout:.0f}s:\n{pending[0].tail()}")
+        if pending:
+            time.sleep(0.5)
+
+
+def metric(url: str, name: str, labels: dict[str, str] | None = None) -> float:
+    """Sum of a Prometheus metric's samples (optionally filtered by labels) at ``url``/metrics."""
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    total = 0.0
+    for line in text.splitlines():
+        if not line.startswith(name) or line.startswith("#"):
+            continue
+        head, _, value = line.rpartition(" ")
+        metric_name = head.split("{", 1)[0]
+        if metric_name != name:
+            continue
+        if labels and not all(f'{k}="{v}"' in head for k, v in labels.items()):
+            continue
+        total += float(value)
+    return total
