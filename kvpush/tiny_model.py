@@ -144,7 +144,7 @@ def make_tiny_model(out_dir: str, seed: int = 0) -> str:
         **MODEL_SHAPE,
     )
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).to(torch.float32).eval()
+    model = LlamaForCausalLM(config).float().eval()
 
     os.makedirs(out_dir, exist_ok=True)
     # Build beside the target and move files in, writing the stamp last: an interrupted

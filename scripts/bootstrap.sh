@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Create .venv at the repository root (if missing) and install kvpush into it.
-# Usage: scripts/bootstrap.sh [--test]
+# Create .venv at the repository root (if missing) and install kvpush with vLLM (CPU) into it.
+# Usage: scripts/bootstrap.sh [--test]   (--test adds pytest, hypothesis, ruff, mypy)
+# Idempotent: a second run only re-checks what is installed.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
@@ -8,9 +9,8 @@ py=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
     "$py" -m venv .venv
 fi
-pip=(.venv/bin/python -m pip install -q --disable-pip-version-check)
+# vLLM for CPU (and NIXL without its CUDA torch): the demo and the end-to-end tests run it.
+scripts/install_vllm.sh .venv
 extras=""
 [ "${1:-}" = "--test" ] && extras="[test]"
-"${pip[@]}" -e ".${extras}"
-# NIXL without its dependencies: the plain package pulls a CUDA torch (~6 GB).
-"${pip[@]}" --no-deps nixl==1.5.1 nixl-cu12==1.5.1
+.venv/bin/python -m pip install -q --disable-pip-version-check -e ".${extras}"

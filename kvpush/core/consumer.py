@@ -87,14 +87,15 @@ class Consumer:
                 return  # cancelled or expired while the handshake ran
             t = t_or_none
             try:
-                self.w.load_peer(r.remote_host, r.remote_port, fut)
+                self.w.load_peer(r.remote_host, r.remote_port + self._p_rank(r), fut)
             except (HandshakeError, TransportError) as e:
                 self.w.stats["handshake_failed"] += 1
                 self._end(t, State.FAILED, "failed", f"handshake with P failed: {e}")
                 return
+        p_port = r.remote_port + self._p_rank(r)
         peer = self.w.ensure_peer(
             r.remote_host,
-            r.remote_port,
+            p_port,
             lambda f: self.reg_send_inbox.put(("reg", r, f)),
         )
         if peer is None:
@@ -121,6 +122,10 @@ class Consumer:
         t.p_agent = peer.agent
         t.expected = expected_writers(r.remote_tp_size, cfg.tp_size)
         transition(t, State.AWAITING, t.name, f"registered with {peer.agent}")
+
+    def _p_rank(self, r: RecvRegistration) -> int:
+        """The P rank whose side channel (rank 0's port + rank) this D rank registers with."""
+        return self.w.config.tp_rank if r.remote_tp_size == self.w.config.tp_size else 0
 
     def _on_cancel(self, rid: str, expired: bool) -> None:
         t = self.recvs.get(rid)

@@ -1,0 +1,113 @@
+"""Two real vLLM servers on CPU (prefiller, decoder) with kvpush and the router in front,
+checked token for token against one plain vLLM server (prefix caching off everywhere)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+from kvpush.deploy.client import Reply, request
+from kvpush.deploy.demo import Cluster, make_prompts
+from kvpush.deploy.servers import ServerSpec, VllmServer, metric, wait_healthy
+from kvpush.tiny_model import make_tiny_model
+
+pytestmark = pytest.mark.e2e
+
+BLOCK = 128  # vLLM's CPU block size
+BYTES_PER_BLOCK = 2 * 64 * 1024  # tiny model: 2 layers x one 64 KiB block each
+
+
+@dataclass
+class Case:
+    name: str
+    prompt: Any = None
+    messages: list[dict[str, str]] | None = None
+    stream: bool = False
+    max_tokens: int = 8
+
+    def send(self, url: str, model: str) -> Reply:
+        return request(url, model, self.prompt, self.messages, self.max_tokens, self.stream)
+
+
+def ids(n: int, seed: int) -> list[int]:
+    return [(seed * 7919 + i * 104729) % 900 + 20 for i in range(n)]
+
+
+SINGLE = [
+    Case("shorter_than_a_block", ids(50, 1)),
+    Case("exact_block_multiple", ids(2 * BLOCK, 2)),
+    Case("near_max_length", ids(500, 3), max_tokens=8),
+    Case("streamed", ids(300, 4), stream=True, max_tokens=12),
+    Case("chat", messages=[{"role": "user", "content": "tell me about silver moons and rivers"}]),
+]
+CONCURRENT = [Case(f"concurrent_{i}", p) for i, p in enumerate(make_prompts(16, seed=11))]
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    work = tmp_path_factory.mktemp("e2e")
+    model = make_tiny_model(str(work / "model"))
+    plain = VllmServer(ServerSpec("plain", model, core=0, log_dir=str(work)))
+    try:
+        wait_healthy([plain])
+        reference = {c.name: c.send(plain.url, model) for c in SINGLE + CONCURRENT}
+    finally:
+        plain.stop()
+    assert all(r.ok for r in reference.values()), reference
+    with Cluster(model, str(work)) as cluster:
+        yield {"model": model, "cluster": cluster, "reference": reference}
+
+
+def same(a: Reply, b: Reply) -> bool:
+    return a.ok and b.ok and (a.token_ids == b.token_ids if a.token_ids else a.text == b.text)
+
+
+@pytest.mark.parametrize("case", SINGLE, ids=[c.name for c in SINGLE])
+def test_token_identical_through_router(env: dict[str, Any], case: Case) -> None:
+    c: Cluster = env["cluster"]
+    before = metric(c.d.url, "vllm:kvpush_bytes_received_total")
+    got = case.send(c.router.url, env["model"])
+    ref = env["reference"][case.name]
+    assert got.ok, got.error
+    assert got.token_ids, "the server returned no token ids"
+    assert same(got, ref), (got.text, ref.text)
+    # The KV of every prompt block came by push.
+    pushed = metric(c.d.url, "vllm:kvpush_bytes_received_total") - before
+    assert pushed == -(-got.prompt_tokens // BLOCK) * BYTES_PER_BLOCK
+
+
+def test_16_concurrent_distinct_prompts(env: dict[str, Any]) -> None:
+    c: Cluster = env["cluster"]
+    with ThreadPoolExecutor(16) as pool:
+        got = list(pool.map(lambda case: case.send(c.router.url, env["model"]), CONCURRENT))
+    for case, reply in zip(CONCURRENT, got, strict=True):
+        assert same(reply, env["reference"][case.name]), (case.name, reply.error)
+
+
+def test_decoder_did_not_compute_the_prompts(env: dict[str, Any]) -> None:
+    c: Cluster = env["cluster"]
+    before = {s: metric(c.d.url, "vllm:prompt_tokens_by_source_total", {"source": s})
+              for s in ("local_compute", "external_kv_transfer")}
+    reply = request(c.router.url, env["model"], ids(400, 9), max_tokens=4)
+    assert reply.ok and reply.prompt_tokens == 400
+    after = {s: metric(c.d.url, "vllm:prompt_tokens_by_source_total", {"source": s})
+             for s in before}
+    assert after["external_kv_transfer"] - before["external_kv_transfer"] >= 399
+    assert after["local_compute"] - before["local_compute"] <= 1  # the last prompt token
+
+
+def test_no_blocks_held_afterwards(env: dict[str, Any]) -> None:
+    c: Cluster = env["cluster"]
+    deadline = time.monotonic() + 30
+    while True:
+        usage = [metric(s.url, "vllm:kv_cache_usage_perc") for s in (c.p, c.d)]
+        if usage == [0.0, 0.0]:
+            break
+        assert time.monotonic() < deadline, f"KV cache still in use: P, D = {usage}"
+        time.sleep(0.2)
+    assert metric(c.p.url, "vllm:kvpush_push_failures_total") == 0
