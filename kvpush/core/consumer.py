@@ -100,6 +100,11 @@ class Consumer:
         )
         if peer is None:
             return
+        try:
+            self.w.check_from(peer)
+        except LayoutError as e:
+            self._end(t, State.FAILED, "failed", f"prefiller's KV layout is incompatible: {e}")
+            return
         cfg = self.w.config
         msg = wire.PushReg(
             request_id=r.request_id,

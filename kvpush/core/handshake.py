@@ -14,7 +14,7 @@ import msgspec
 import zmq
 
 from kvpush.core.errors import HandshakeError, LayoutError
-from kvpush.core.layout import KVLayout, check_compatible
+from kvpush.core.layout import KVLayout, Region, check_compatible
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +32,7 @@ class AgentInfo(msgspec.Struct, kw_only=True):
     agent_name: str
     nixl_metadata: bytes
     layout: KVLayout
+    staging: Region | None = None  # the staging buffer, when the worker has a staging hook
 
 
 class HandshakeRequest(msgspec.Struct, kw_only=True):

@@ -23,8 +23,24 @@ Pos = Annotated[int, msgspec.Meta(ge=1)]
 NonNeg = Annotated[int, msgspec.Meta(ge=0)]
 
 
+class PackedMember(msgspec.Struct, array_like=True, frozen=True):
+    """Where one layer's page sits in a packed (block-outermost) row."""
+
+    layer: str
+    offset: NonNeg
+    page_len: Pos
+
+
 class Region(msgspec.Struct, frozen=True):
-    """One registered allocation: ``num_blocks`` blocks of ``block_len`` bytes each."""
+    """One registered allocation: ``num_blocks`` blocks of ``block_len`` bytes each.
+
+    ``layers`` names the layers whose KV lives here (several when pooled, as with
+    a hybrid allocator; empty means just ``name``). ``kv_heads`` > 0 says each block
+    holds that many KV heads head-major (head h at h * block_len / kv_heads), so a
+    peer of another TP size can address a head slice; 0 means the block is opaque
+    (MLA pages, replicated on every rank). ``packed`` lists the layers of a packed
+    row (all layers of a block in one row of ``block_len`` bytes).
+    """
 
     name: str
     base_addr: NonNeg
@@ -32,6 +48,15 @@ class Region(msgspec.Struct, frozen=True):
     num_blocks: Pos
     device_id: NonNeg = 0
     group: NonNeg = 0  # KV-cache group whose block ids index this region
+    layers: list[str] = msgspec.field(default_factory=list)
+    kv_heads: NonNeg = 0
+    packed: list[PackedMember] = msgspec.field(default_factory=list)
+
+    @property
+    def members(self) -> list[str]:
+        if self.packed:
+            return [m.layer for m in self.packed]
+        return self.layers or [self.name]
 
     @property
     def nbytes(self) -> int:
@@ -45,6 +70,13 @@ class KVLayout(msgspec.Struct, frozen=True):
     block_size: Pos  # tokens per logical block
     physical_per_logical: Pos = 1
     mem_type: MemType = "DRAM"
+    tp_rank: NonNeg = 0
+    tp_size: Pos = 1
+    pp_rank: NonNeg = 0
+    pp_size: Pos = 1
+    attention: Literal["standard", "mla"] = "standard"
+    backends: list[str] = msgspec.field(default_factory=list)  # attention backend names
+    mamba: bool = False  # holds SSM state besides attention KV
 
     def logical_bytes(self, region: int) -> int:
         return self.regions[region].block_len * self.physical_per_logical
@@ -62,20 +94,9 @@ class KVLayout(msgspec.Struct, frozen=True):
 
 def check_compatible(local: KVLayout, remote: KVLayout) -> None:
     """Raise LayoutError unless blocks can be written from ``local`` into ``remote``."""
-    if local.block_size != remote.block_size:
-        raise LayoutError(f"block size {local.block_size} != peer's {remote.block_size} tokens")
-    if local.mem_type != remote.mem_type and "VRAM" not in (local.mem_type, remote.mem_type):
-        raise LayoutError(f"memory type {local.mem_type} != peer's {remote.mem_type}")
-    if len(local.regions) != len(remote.regions):
-        raise LayoutError(f"{len(local.regions)} regions != peer's {len(remote.regions)}")
-    for i, (a, b) in enumerate(zip(local.regions, remote.regions, strict=True)):
-        if a.name != b.name or a.group != b.group:
-            raise LayoutError(f"region {i}: {a.name}/g{a.group} != peer's {b.name}/g{b.group}")
-        if local.logical_bytes(i) != remote.logical_bytes(i):
-            raise LayoutError(
-                f"region {a.name}: {local.logical_bytes(i)} bytes per block != "
-                f"peer's {remote.logical_bytes(i)}"
-            )
+    from kvpush.core.routing import pair_regions
+
+    pair_regions(local, remote)
 
 
 def validate_block_ids(layout: KVLayout, groups: Sequence[Sequence[int]]) -> None:
@@ -146,28 +167,12 @@ def build_write_descs(
 ) -> tuple[np.ndarray, np.ndarray]:
     """Nx3 (address, length, device) arrays for WRITEs of local blocks into remote blocks.
 
-    ``src_groups[g][i]`` is written into ``dst_groups[g][i]`` in every region of group g.
+    ``src_groups[g][i]`` is written into ``dst_groups[g][i]``; regions are paired by layer
+    name and head range (see routing.py).
     """
-    validate_block_ids(local, src_groups)
-    validate_block_ids(remote, dst_groups)
-    src_parts, dst_parts = [], []
-    for lr, rr in zip(local.regions, remote.regions, strict=True):
-        src_ids, dst_ids = src_groups[lr.group], dst_groups[rr.group]
-        if len(src_ids) != len(dst_ids):
-            raise LayoutError(
-                f"region {lr.name}: {len(src_ids)} source blocks, {len(dst_ids)} destination"
-            )
-        if not len(src_ids):
-            continue
-        s = extents(lr, expand(src_ids, local.physical_per_logical))
-        d = extents(rr, expand(dst_ids, remote.physical_per_logical))
-        sa, da, ln = pair_extents(s, d)
-        src_parts.append(np.stack([sa, ln, np.full_like(sa, lr.device_id)], axis=1))
-        dst_parts.append(np.stack([da, ln, np.full_like(da, rr.device_id)], axis=1))
-    if not src_parts:
-        empty = np.zeros((0, 3), dtype=np.int64)
-        return empty, empty.copy()
-    return np.concatenate(src_parts), np.concatenate(dst_parts)
+    from kvpush.core.routing import build_pair_descs, pair_regions
+
+    return build_pair_descs(local, remote, pair_regions(local, remote), src_groups, dst_groups)
 
 
 def block_descs(layout: KVLayout) -> np.ndarray:

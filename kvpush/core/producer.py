@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Any
 from kvpush.core import wire
 from kvpush.core.errors import HandshakeError, LayoutError, PeerGoneError, TransportError
 from kvpush.core.ids import Key, MatchTable
-from kvpush.core.layout import block_indices, build_write_descs
+from kvpush.core.layout import block_indices
+from kvpush.core.routing import build_pair_descs
 from kvpush.core.transport import WriteState
 from kvpush.core.types import ENDED, StagedBlocks, State, transition
 
@@ -246,12 +247,18 @@ class Producer:
         try:
             src_groups = self._source_blocks(t, reg)
             notif = wire.encode_completion(reg.request_id, self.w.config.tp_size)
-            if peer.prepped is not None:
+            staged = self._plan_staged(t, peer, reg, src_groups)
+            if staged is not None:  # one descriptor from our staging slot into D's
+                src, dst = staged
+                tp = self.w.config.tp_size
+                notif = wire.encode(wire.StagedDone(request_id=reg.request_id, tp_size=tp))
+            elif peer.prepped is not None and self._identity(peer):
                 src = block_indices(self.w.layout, src_groups)
                 dst = block_indices(peer.info.layout, reg.local_block_ids)
             else:
-                src, dst = build_write_descs(
-                    self.w.layout, peer.info.layout, src_groups, reg.local_block_ids
+                src, dst = build_pair_descs(
+                    self.w.layout, peer.info.layout, self.w.pairs_to(peer), src_groups,
+                    reg.local_block_ids,
                 )
         except (LayoutError, wire.WireError) as e:
             self.w.stats["reg_invalid"] += 1
@@ -259,7 +266,7 @@ class Producer:
             return
         tr = self.w.transport
         try:
-            if peer.prepped is not None:
+            if peer.prepped is not None and staged is None and self._identity(peer):
                 t.handle = tr.write_prepped(
                     peer.agent, self.w.local_prepped, src, peer.prepped, dst, notif
                 )
@@ -274,9 +281,29 @@ class Producer:
         self.writing[t.prid] = t
         self.w.stats["writes"] += 1
         self.w.stats["write_descs"] += len(src)
+        self.w.stats["writes_staged"] += staged is not None
         if peer.prepped is None and len(src):
             self.w.stats["write_bytes"] += int(src[:, 1].sum())
         transition(t, State.WRITING, t.name, f"{len(src)} descriptors")
+
+    def _plan_staged(
+        self, t: PushTransfer, peer: Peer, reg: wire.PushReg, src_groups: list[list[int]]
+    ) -> tuple[Any, Any] | None:
+        """The hook's one-descriptor WRITE when D offered a slot and the hook wants it."""
+        hook = self.w.staging
+        if hook is None or not isinstance(reg.staging, wire.StagingSlot):
+            return None
+        info = peer.info
+        return hook.plan(
+            t.prid, info.layout, info.staging, reg.staging, src_groups, reg.local_block_ids
+        )
+
+    def _identity(self, peer: Peer) -> bool:
+        """Region i pairs whole with the peer's region i: prepared rows line up."""
+        pairs = self.w.pairs_to(peer)
+        return len(pairs) == len(self.w.layout.regions) and all(
+            p.whole and p.src == p.dst for p in pairs
+        )
 
     def _source_blocks(self, t: PushTransfer, reg: wire.PushReg) -> list[list[int]]:
         dst = reg.local_block_ids
@@ -358,4 +385,6 @@ class Producer:
             self.by_dkey.pop((t.sender, t.reg.request_id), None)
         self.staged.pop_value(t)
         self.writing.pop(t.prid, None)
+        if self.w.staging is not None:
+            self.w.staging.release_push(t.prid)
         self.w.emit("sent", t.prid)

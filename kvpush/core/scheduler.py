@@ -86,10 +86,15 @@ class PushScheduler:
 
     def abort(self, request_id: str) -> bool:
         """D aborts a request. True: keep its blocks until the worker reports ``released``."""
-        if request_id not in self._watchdogs or request_id in self._aborted:
-            return request_id in self._aborted
+        if request_id in self._aborted:
+            return True
+        if request_id in self._watchdogs:
+            self._new_cancels.append(request_id)
+        elif request_id not in self._expired:
+            return False
+        # Live, or expired with its failure still on the way: it comes back in ``released``,
+        # also when its KV or failure was already reported by the worker (see ``update``).
         self._aborted.add(request_id)
-        self._new_cancels.append(request_id)
         return True
 
     # ---- every step ----------------------------------------------------------------------
@@ -128,11 +133,19 @@ class PushScheduler:
                 kept.finished_sending.add(rid)
         for rid in out.finished_recving:
             if self._watchdogs.pop(rid, None) is not None:
-                kept.finished_recving.add(rid)
+                if rid in self._aborted:  # aborted as its KV landed: hand the blocks back once
+                    self._aborted.discard(rid)
+                    kept.released.add(rid)
+                else:
+                    kept.finished_recving.add(rid)
         for rid, reason in out.failed_recving.items():
             if self._watchdogs.pop(rid, None) is not None or rid in self._expired:
                 self._expired.discard(rid)
-                kept.failed_recving[rid] = reason
+                if rid in self._aborted:
+                    self._aborted.discard(rid)
+                    kept.released.add(rid)
+                else:
+                    kept.failed_recving[rid] = reason
         for rid in out.released:
             if rid in self._aborted:
                 self._aborted.discard(rid)

@@ -26,6 +26,7 @@ from kvpush.core.errors import KVPushError, TransportError, WireError
 from kvpush.core.handshake import PROTOCOL_VERSION, AgentInfo, SideChannelServer, fetch_agent_info
 from kvpush.core.layout import KVLayout, block_descs, same_block_shape
 from kvpush.core.producer import Producer
+from kvpush.core.routing import RegionPair, pair_regions
 from kvpush.core.staging import StagingHook
 from kvpush.core.transport import Transport
 from kvpush.core.types import StepMeta, WorkerConfig, WorkerOutput
@@ -40,6 +41,8 @@ class Peer:
     key: PeerKey
     info: AgentInfo
     prepped: object | None = None  # the peer's block descriptors, prepared (prepped mode)
+    pairs: list[RegionPair] | None = None  # our regions into the peer's, once computed
+    writes_to_us: bool = False  # its layout was checked to write into ours
 
     @property
     def agent(self) -> str:
@@ -174,7 +177,7 @@ class PushWorker:
                 port,
                 self.config.engine_id,
                 self.config.handshake_timeout_s,
-                self.layout,
+                None,  # layouts are checked per direction on the writer (pairs_to / check_from)
             )
             self._hs_futures[key] = fut
             self.stats["handshakes"] += 1
@@ -207,6 +210,18 @@ class PushWorker:
         self.peers_by_agent[info.agent_name] = peer
         log.info("connected to %s (%s:%d)", info.agent_name, host, port)
         return peer
+
+    def pairs_to(self, peer: Peer) -> list[RegionPair]:
+        """How our regions map into the peer's (computed once); raises LayoutError."""
+        if peer.pairs is None:
+            peer.pairs = pair_regions(self.layout, peer.info.layout)
+        return peer.pairs
+
+    def check_from(self, peer: Peer) -> None:
+        """Raise LayoutError unless the peer can write into our layout (checked once)."""
+        if not peer.writes_to_us:
+            pair_regions(peer.info.layout, self.layout)
+            peer.writes_to_us = True
 
     def forget_peer(self, agent: str) -> None:
         """Drop a peer that died; the next operation towards it handshakes afresh."""

@@ -74,8 +74,9 @@ def test_validation(ids: list[list[int]], why: str) -> None:
 
 
 def test_incompatible_layouts() -> None:
-    with pytest.raises(LayoutError, match="regions"):
-        check_compatible(layout(0), layout(0, regions=3))
+    with pytest.raises(LayoutError, match="layer r2 is not advertised"):
+        check_compatible(layout(0, regions=3), layout(0))
+    check_compatible(layout(0), layout(0, regions=3))  # layers only D has are ignored
     with pytest.raises(LayoutError, match="bytes per block"):
         check_compatible(layout(0), layout(0, blen=128))
 

@@ -1,0 +1,232 @@
+"""Which bytes of P's KV go where in D's: regions paired by layer name, heads by TP rank.
+
+* Regions pair by the layer names they advertise (``Region.members``), not by index:
+  a pipeline stage of P holds only some layers; D (PP=1) holds all; several pooled
+  layers may share one region and the representative name may differ per side.
+* With standard attention each rank holds a slice of the KV heads; a P rank writes
+  the intersection of its heads with each D rank's, at the right offset of D's block.
+  MLA pages are whole on every rank.
+* Packed rows (all layers of a block in one row) pair layer by layer through
+  ``Region.packed`` offsets.
+Pairs are computed once per peer; descriptors per WRITE, contiguous runs coalesced.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvpush.core.errors import LayoutError
+from kvpush.core.layout import KVLayout, Region, expand, extents, pair_extents, validate_block_ids
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Bytes ``[src_off, src_off + length)`` of a P block go to ``dst_off`` of a D block."""
+
+    src_off: int
+    dst_off: int
+    length: int
+
+
+@dataclass(frozen=True)
+class RegionPair:
+    src: int  # index of P's region
+    dst: int  # index of D's region
+    whole: bool  # the whole logical block (any physical split); else ``segments``
+    segments: tuple[Segment, ...] = ()
+
+
+def p_targets(p_rank: int, p_tp: int, d_tp: int, attention: str) -> list[int]:
+    """D ranks one P rank writes to."""
+    if attention == "mla":  # pages are replicated: D rank j reads from P rank j % p_tp
+        return [j for j in range(d_tp) if j % p_tp == p_rank]
+    return [j for j in range(d_tp) if _overlap(p_rank, p_tp, j, d_tp)]
+
+
+def d_sources(d_rank: int, d_tp: int, p_tp: int, attention: str) -> list[int]:
+    """P ranks (per pipeline stage) one D rank receives from."""
+    if attention == "mla":
+        return [d_rank % p_tp]
+    return [i for i in range(p_tp) if _overlap(i, p_tp, d_rank, d_tp)]
+
+
+def _overlap(i: int, a: int, j: int, b: int) -> bool:
+    # Head ranges [i/a, (i+1)/a) and [j/b, (j+1)/b) of the whole, scaled by a*b.
+    return i * b < (j + 1) * a and j * a < (i + 1) * b
+
+
+def pair_regions(p: KVLayout, d: KVLayout) -> list[RegionPair]:
+    """Pair P's regions with D's; raise LayoutError for anything unsupported or missing."""
+    _check_shapes(p, d)
+    owner: dict[str, int] = {}
+    for k, r in enumerate(d.regions):
+        for layer in r.members:
+            if layer in owner:
+                raise LayoutError(f"the peer advertises layer {layer} twice")
+            owner[layer] = k
+    pairs = []
+    for i, lr in enumerate(p.regions):
+        missing = [m for m in lr.members if m not in owner]
+        if missing:
+            raise LayoutError(
+                f"layer {missing[0]} is not advertised by the peer (region {lr.name})"
+            )
+        dsts = {owner[m] for m in lr.members}
+        if len(dsts) > 1:
+            raise LayoutError(f"layers of region {lr.name} lie in several peer regions")
+        k = dsts.pop()
+        pair = _pair(p, d, i, k)
+        if pair.whole or pair.segments:
+            pairs.append(pair)
+    return pairs
+
+
+def _check_shapes(p: KVLayout, d: KVLayout) -> None:
+    if p.block_size != d.block_size:
+        raise LayoutError(f"block size {p.block_size} != peer's {d.block_size} tokens")
+    if p.mem_type != d.mem_type and "VRAM" not in (p.mem_type, d.mem_type):
+        raise LayoutError(f"memory type {p.mem_type} != peer's {d.mem_type}")
+    if d.pp_size > 1:
+        raise LayoutError("decode-side pipeline parallelism is unsupported (D must be PP=1)")
+    if p.pp_size > 1 and (p.mamba or d.mamba):
+        raise LayoutError("Mamba/SSM state is unsupported under pipeline parallelism")
+    if p.attention != d.attention:
+        raise LayoutError(f"attention {p.attention} != peer's {d.attention}")
+    packed_p = any(r.packed for r in p.regions)
+    if packed_p != any(r.packed for r in d.regions):
+        raise LayoutError("one side has packed rows, the other not")
+    if packed_p:
+        if p.pp_size > 1 and p.attention != "mla":
+            raise LayoutError("packed pipeline-parallel push requires MLA caches")
+        if p.physical_per_logical != d.physical_per_logical:
+            raise LayoutError("packed push requires equal P/D block sizes")
+        if sorted(set(p.backends)) != sorted(set(d.backends)):
+            raise LayoutError(
+                f"attention backends {sorted(set(p.backends))} != peer's {sorted(set(d.backends))}"
+            )
+    if p.attention == "standard" and p.tp_size != d.tp_size:
+        flat = [r.name for r in (*p.regions, *d.regions) if not r.kv_heads and not r.packed]
+        if flat:
+            raise LayoutError(f"heterogeneous TP needs kv_heads on every region ({flat[0]})")
+
+
+def _pair(p: KVLayout, d: KVLayout, i: int, k: int) -> RegionPair:
+    lr, rr = p.regions[i], d.regions[k]
+    if lr.packed:
+        return RegionPair(i, k, False, tuple(_packed_segments(lr, rr)))
+    if p.attention == "standard" and lr.kv_heads and rr.kv_heads:
+        return _head_pair(p, d, i, k)
+    if p.logical_bytes(i) != d.logical_bytes(k):
+        raise LayoutError(
+            f"region {lr.name}: {p.logical_bytes(i)} bytes per block != peer's "
+            f"{d.logical_bytes(k)} (page size mismatch)"
+        )
+    return RegionPair(i, k, True)
+
+
+def _packed_segments(lr: Region, rr: Region) -> list[Segment]:
+    slots = {m.layer: m for m in rr.packed}
+    segs = []
+    for m in lr.packed:
+        other = slots.get(m.layer)
+        if other is None:
+            raise LayoutError(f"layer {m.layer} is not in the peer's packed rows")
+        if other.page_len != m.page_len:
+            raise LayoutError(
+                f"page size of layer {m.layer}: {m.page_len} != peer's {other.page_len}"
+            )
+        if m.offset + m.page_len > lr.block_len or other.offset + m.page_len > rr.block_len:
+            raise LayoutError(f"layer {m.layer}: page outside its row")
+        segs.append(Segment(m.offset, other.offset, m.page_len))
+    return segs
+
+
+def _head_pair(p: KVLayout, d: KVLayout, i: int, k: int) -> RegionPair:
+    lr, rr = p.regions[i], d.regions[k]
+    hp, hd = lr.kv_heads, rr.kv_heads
+    if hp * p.tp_size != hd * d.tp_size:
+        raise LayoutError(f"region {lr.name}: {hp}x{p.tp_size} KV heads != peer's {hd}x{d.tp_size}")
+    if lr.block_len % hp or rr.block_len % hd:
+        raise LayoutError(f"region {lr.name}: block not divisible into its heads")
+    chunk_p, chunk_d = lr.block_len // hp, rr.block_len // hd
+    if chunk_p * p.physical_per_logical != chunk_d * d.physical_per_logical:
+        raise LayoutError(f"region {lr.name}: bytes per head differ from the peer's (page size)")
+    p_first, d_first = p.tp_rank * hp, d.tp_rank * hd
+    lo, hi = max(p_first, d_first), min(p_first + hp, d_first + hd)
+    if lo >= hi:
+        return RegionPair(i, k, False)
+    if hp == hd and p_first == d_first:
+        return RegionPair(i, k, True)
+    if p.physical_per_logical != d.physical_per_logical:
+        raise LayoutError("a head slice needs equal physical block sizes on both sides")
+    seg = Segment((lo - p_first) * chunk_p, (lo - d_first) * chunk_d, (hi - lo) * chunk_p)
+    return RegionPair(i, k, False, (seg,))
+
+
+def build_pair_descs(
+    p: KVLayout,
+    d: KVLayout,
+    pairs: Sequence[RegionPair],
+    src_groups: Sequence[Sequence[int]],
+    dst_groups: Sequence[Sequence[int]],
+) -> tuple[np.ndarray, np.ndarray]:
+    """Nx3 (address, length, device) arrays: P's blocks ``src_groups`` into D's ``dst_groups``."""
+    validate_block_ids(p, src_groups)
+    validate_block_ids(d, dst_groups)
+    src_parts, dst_parts = [], []
+    for pair in pairs:
+        lr, rr = p.regions[pair.src], d.regions[pair.dst]
+        s_ids, d_ids = src_groups[lr.group], dst_groups[rr.group]
+        if len(s_ids) != len(d_ids):
+            raise LayoutError(
+                f"region {lr.name}: {len(s_ids)} source blocks, {len(d_ids)} destination"
+            )
+        if not len(s_ids):
+            continue
+        if pair.whole:
+            sa, da, ln = pair_extents(
+                extents(lr, expand(s_ids, p.physical_per_logical)),
+                extents(rr, expand(d_ids, d.physical_per_logical)),
+            )
+        else:
+            sa, da, ln = _segment_pieces(p, d, lr, rr, pair.segments, s_ids, d_ids)
+        src_parts.append(np.stack([sa, ln, np.full_like(sa, lr.device_id)], axis=1))
+        dst_parts.append(np.stack([da, ln, np.full_like(da, rr.device_id)], axis=1))
+    if not src_parts:
+        empty = np.zeros((0, 3), dtype=np.int64)
+        return empty, empty.copy()
+    return np.concatenate(src_parts), np.concatenate(dst_parts)
+
+
+def _segment_pieces(
+    p: KVLayout,
+    d: KVLayout,
+    lr: Region,
+    rr: Region,
+    segs: Sequence[Segment],
+    s_ids: Sequence[int],
+    d_ids: Sequence[int],
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    ps = expand(s_ids, p.physical_per_logical)
+    pd = expand(d_ids, d.physical_per_logical)
+    so = np.array([s.src_off for s in segs], dtype=np.int64)
+    do = np.array([s.dst_off for s in segs], dtype=np.int64)
+    ln = np.array([s.length for s in segs], dtype=np.int64)
+    # Block-major, segment-minor: consecutive pieces are adjacent whenever both sides are.
+    sa = (lr.base_addr + ps[:, None] * lr.block_len + so[None, :]).ravel()
+    da = (rr.base_addr + pd[:, None] * rr.block_len + do[None, :]).ravel()
+    return coalesce(sa, da, np.tile(ln, len(ps)))
+
+
+def coalesce(
+    sa: np.ndarray, da: np.ndarray, ln: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Merge consecutive pieces that continue contiguously on both sides."""
+    if sa.size <= 1:
+        return sa, da, ln
+    cont = (sa[1:] == sa[:-1] + ln[:-1]) & (da[1:] == da[:-1] + ln[:-1])
+    starts = np.concatenate(([0], np.flatnonzero(~cont) + 1))
+    return sa[starts], da[starts], np.add.reduceat(ln, starts)
