@@ -9,8 +9,9 @@ from __future__ import annotations
 import logging
 import queue
 from collections import defaultdict
+from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -18,7 +19,8 @@ import msgspec
 from kvpush.core import wire
 from kvpush.core.errors import HandshakeError, LayoutError, TransportError
 from kvpush.core.layout import validate_block_ids
-from kvpush.core.types import RecvRegistration, State, expected_writers, transition
+from kvpush.core.routing import d_sources
+from kvpush.core.types import RecvRegistration, State, transition
 
 if TYPE_CHECKING:
     from kvpush.core.worker import PushWorker
@@ -28,13 +30,27 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class RecvTransfer:
-    """One D request waiting for P's WRITE into its pre-allocated blocks."""
+    """One D request waiting for the WRITEs of its P ranks into its pre-allocated blocks.
+
+    D registers with every P rank (so each knows D's TP size); ``sources`` are the
+    ones that write here, and each sends one completion or one PUSH_FAIL.
+    """
 
     reg: RecvRegistration
     state: State = State.REGISTERED
-    p_agent: str | None = None
-    expected: int = 1
-    got: int = 0
+    agents: list[str] = field(default_factory=list)  # every P rank registered with
+    sources: list[str] = field(default_factory=list)  # the P ranks that write here
+    done_from: set[str] = field(default_factory=set)  # sources with nothing in flight
+    fail_reason: str = ""  # failing: waiting for the other sources before reporting it
+    aborted: bool = False
+
+    @property
+    def p_agent(self) -> str | None:
+        return self.sources[0] if self.sources else None
+
+    @property
+    def quiet(self) -> bool:
+        return self.done_from >= set(self.sources)
 
     @property
     def rid(self) -> str:
@@ -48,7 +64,7 @@ class RecvTransfer:
 class Consumer:
     def __init__(self, worker: PushWorker) -> None:
         self.w = worker
-        # ("reg", RecvRegistration, handshake future or None) | ("cancel", request id, expired)
+        # ("reg", RecvRegistration, None | (port, handshake future)) | ("cancel", id, expired)
         self.reg_send_inbox: queue.SimpleQueue[tuple[str, Any, Any]] = queue.SimpleQueue()
         self.recvs: dict[str, RecvTransfer] = {}
 
@@ -64,8 +80,8 @@ class Consumer:
         else:
             self._on_cancel(payload, bool(extra))
 
-    def _on_registration(self, r: RecvRegistration, fut: Future[Any] | None) -> None:
-        if fut is None:
+    def _on_registration(self, r: RecvRegistration, replay: tuple[int, Future[Any]] | None) -> None:
+        if replay is None:
             if r.request_id in self.recvs:
                 log.warning("request %s registered twice; ignoring the second", r.request_id)
                 return
@@ -84,29 +100,55 @@ class Consumer:
                 or t_or_none.reg is not r
                 or t_or_none.state is not State.REGISTERED
             ):
-                return  # cancelled or expired while the handshake ran
+                return  # cancelled, expired or already sent while the handshake ran
             t = t_or_none
             try:
-                self.w.load_peer(r.remote_host, r.remote_port + self._p_rank(r), fut)
+                self.w.load_peer(r.remote_host, replay[0], replay[1])
             except (HandshakeError, TransportError) as e:
                 self.w.stats["handshake_failed"] += 1
                 self._end(t, State.FAILED, "failed", f"handshake with P failed: {e}")
                 return
-        p_port = r.remote_port + self._p_rank(r)
-        peer = self.w.ensure_peer(
-            r.remote_host,
-            p_port,
-            lambda f: self.reg_send_inbox.put(("reg", r, f)),
-        )
-        if peer is None:
+        # Handshake with every P rank at once; come back when each one is ready.
+        ranks = self._p_ranks(r)
+        peers = [
+            self.w.ensure_peer(r.remote_host, port, self._replay(r, port)) for port, _ in ranks
+        ]
+        ready = [p for p in peers if p is not None]
+        if len(ready) < len(peers):
             return
         try:
-            self.w.check_from(peer)
+            for peer in ready:
+                self.w.check_from(peer)
         except LayoutError as e:
             self._end(t, State.FAILED, "failed", f"prefiller's KV layout is incompatible: {e}")
             return
+        msg = self._push_reg(r)
+        for peer in ready:
+            if not self.w.notify(peer.agent, msg):
+                self._end(
+                    t, State.FAILED, "failed", f"could not send the registration to {peer.agent}"
+                )
+                return
+        t.agents = [p.agent for p in ready]
+        t.sources = [p.agent for p, (_, src) in zip(ready, ranks, strict=True) if src]
+        transition(t, State.AWAITING, t.name, f"registered with {len(t.agents)} P ranks")
+
+    def _replay(self, r: RecvRegistration, port: int) -> Callable[[Future[Any]], None]:
+        return lambda f: self.reg_send_inbox.put(("reg", r, (port, f)))
+
+    def _p_ranks(self, r: RecvRegistration) -> list[tuple[int, bool]]:
+        """(side-channel port, writes to us) of each P rank; port = rank 0's + stage * tp + rank."""
         cfg = self.w.config
-        msg = wire.PushReg(
+        srcs = d_sources(cfg.tp_rank, cfg.tp_size, r.remote_tp_size, self.w.layout.attention)
+        return [
+            (r.remote_port + stage * r.remote_tp_size + i, i in srcs)
+            for stage in range(r.remote_pp_size)
+            for i in range(r.remote_tp_size)
+        ]
+
+    def _push_reg(self, r: RecvRegistration) -> wire.PushReg:
+        cfg = self.w.config
+        return wire.PushReg(
             request_id=r.request_id,
             decode_engine_id=cfg.engine_id,
             decode_host=cfg.host,
@@ -121,16 +163,6 @@ class Consumer:
             decode_tp_rank=cfg.tp_rank,
             staging=self._offer(r),
         )
-        if not self.w.notify(peer.agent, msg):
-            self._end(t, State.FAILED, "failed", "could not send the registration to P")
-            return
-        t.p_agent = peer.agent
-        t.expected = expected_writers(r.remote_tp_size, cfg.tp_size)
-        transition(t, State.AWAITING, t.name, f"registered with {peer.agent}")
-
-    def _p_rank(self, r: RecvRegistration) -> int:
-        """The P rank whose side channel (rank 0's port + rank) this D rank registers with."""
-        return self.w.config.tp_rank if r.remote_tp_size == self.w.config.tp_size else 0
 
     def _on_cancel(self, rid: str, expired: bool) -> None:
         t = self.recvs.get(rid)
@@ -138,23 +170,34 @@ class Consumer:
             if not expired:
                 self.w.emit("released", rid)
             return
-        if t.state is State.AWAITING and t.p_agent is not None:
-            sent = self.w.notify(
-                t.p_agent, wire.PushCancel(request_id=rid, transfer_id=t.reg.transfer_id)
-            )
-            if sent and not expired:
-                # Fence: keep the blocks until P confirms nothing is or will be in flight.
-                transition(t, State.CANCELLING, t.name, "waiting for P to confirm")
-                return
+        t.aborted = t.aborted or not expired
+        if t.state is State.AWAITING:
+            self._cancel_sources(t)
+        if not expired and t.state is State.CANCELLING and not t.quiet:
+            # Fence: keep the blocks until every P rank confirms nothing is in flight.
+            return
         if expired:
-            # P sends heartbeats while it holds the registration: expiry means it went silent.
-            reason = "watchdog expired: no KV from the prefiller in time"
-            if t.state is State.CANCELLING:
-                self._end(t, State.EXPIRED, "released", reason)
-            else:
-                self._end(t, State.EXPIRED, "failed", reason)
+            # P ranks send heartbeats while they hold the registration: expiry means silence.
+            reason = t.fail_reason or "watchdog expired: no KV from the prefiller in time"
+            self._end(t, State.EXPIRED, "released" if t.aborted else "failed", reason)
         else:
             self._end(t, State.CANCELLED, "released", "cancelled before P could write")
+
+    def _cancel_sources(self, t: RecvTransfer) -> None:
+        """Ask every P rank to stop; wait (CANCELLING) for the sources still writing."""
+        cancel = wire.PushCancel(request_id=t.rid, transfer_id=t.reg.transfer_id)
+        for agent in t.agents:
+            if not self.w.notify(agent, cancel) and agent in t.sources:
+                t.done_from.add(agent)  # gone: nothing of it will land any more
+        transition(t, State.CANCELLING, t.name, "waiting for P ranks to confirm")
+
+    def _settle(self, t: RecvTransfer) -> None:
+        """End a CANCELLING receive once no source can write any more."""
+        if t.state is State.CANCELLING and t.quiet:
+            if t.aborted:
+                self._end(t, State.CANCELLED, "released", "P confirmed")
+            else:
+                self._end(t, State.FAILED, "failed", t.fail_reason)
 
     # ---- notifications from P ------------------------------------------------------------
 
@@ -164,46 +207,53 @@ class Consumer:
             self.w.stats["completion_unknown"] += 1
             log.warning("completion for unknown request %s from %s", c.request_id, sender)
             return
-        if t.expected == 1 and t.p_agent is not None and sender != t.p_agent:
+        if sender not in t.sources or sender in t.done_from:
             self.w.stats["completion_wrong_sender"] += 1
-            log.warning("completion for %s from %s, expected %s", t.rid, sender, t.p_agent)
+            log.warning(
+                "completion for %s from %s, expected one from %s",
+                t.rid,
+                sender,
+                sorted(set(t.sources) - t.done_from),
+            )
             return
-        if isinstance(c, wire.StagedDone) and t.state is not State.CANCELLING:
-            if not self._unstage(t):
-                return
-        t.got += 1
-        if t.got < t.expected:
-            return
+        t.done_from.add(sender)
         if t.state is State.CANCELLING:
-            self._end(t, State.CANCELLED, "released", "WRITE finished after cancel")
-        else:
+            self._settle(t)
+            return
+        if isinstance(c, wire.StagedDone) and not self._unstage(t):
+            return
+        if t.quiet:
             self.w.stats["recv_done"] += 1
             self.w.stats["recv_bytes"] += self._nbytes(t)
             self._end(t, State.DONE, "recv")
 
     def on_push_fail(self, sender: str, f: wire.PushFail) -> None:
         t = self.recvs.get(f.request_id)
-        if t is None or (t.p_agent is not None and sender != t.p_agent):
+        if t is None or sender not in t.agents:
             self.w.stats["fail_unknown"] += 1
             log.warning("PUSH_FAIL for unknown request %s from %s", f.request_id, sender)
             return
-        if t.state is State.CANCELLING:
-            self._end(t, State.CANCELLED, "released", f"P confirmed: {f.reason}")
-        else:
-            self._end(t, State.FAILED, "failed", f"prefiller gave up: {f.reason}")
+        if sender in t.sources:
+            t.done_from.add(sender)
+        if t.state is State.AWAITING and not (f.reason == "cancelled" and sender not in t.sources):
+            # Fail, but only once the other sources can no longer write into the blocks.
+            t.fail_reason = f"prefiller gave up: {f.reason}"
+            self._cancel_sources(t)
+        self._settle(t)
 
     def on_heartbeat(self, sender: str, hb: wire.Heartbeat) -> None:
         for e in hb.entries:
             t = self.recvs.get(e.request_id)
-            if t is not None and t.p_agent == sender:
+            if t is not None and sender in t.agents:
                 self.w.emit("renewed", t.rid)
 
     def on_timer(self, now: float) -> None:
         del now
         held: dict[str, list[wire.HbEntry]] = defaultdict(list)
         for t in self.recvs.values():
-            if t.p_agent is not None and t.state is State.AWAITING:
-                held[t.p_agent].append(wire.HbEntry(t.rid, t.reg.transfer_id))
+            if t.state is State.AWAITING:
+                for agent in t.agents:
+                    held[agent].append(wire.HbEntry(t.rid, t.reg.transfer_id))
         for agent, entries in held.items():
             self.w.notify(agent, wire.Heartbeat(entries=entries))
 
@@ -217,7 +267,7 @@ class Consumer:
     def _offer(self, r: RecvRegistration) -> wire.StagingSlot | msgspec.UnsetType:
         """A staging slot for P's single WRITE (same TP on both sides only), else UNSET."""
         hook = self.w.staging
-        if hook is None or r.remote_tp_size != self.w.config.tp_size:
+        if hook is None or r.remote_tp_size != self.w.config.tp_size or r.remote_pp_size != 1:
             return msgspec.UNSET
         slot = hook.offer(r.request_id, r.block_ids)
         return msgspec.UNSET if slot is None else slot

@@ -17,7 +17,7 @@ from kvpush.core import wire
 from kvpush.core.errors import HandshakeError, LayoutError, PeerGoneError, TransportError
 from kvpush.core.ids import Key, MatchTable
 from kvpush.core.layout import block_indices
-from kvpush.core.routing import build_pair_descs
+from kvpush.core.routing import build_pair_descs, p_targets
 from kvpush.core.transport import WriteState
 from kvpush.core.types import ENDED, StagedBlocks, State, transition
 
@@ -37,8 +37,31 @@ class PendingReg:
 
 
 @dataclass
+class PendingGroup:
+    """Registrations of one request from D's ranks that came before P's blocks."""
+
+    regs: dict[int, PendingReg] = field(default_factory=dict)  # by D tp rank
+
+
+@dataclass
+class PRequest:
+    """A finished P request: one leg per D rank that registered (every D rank does)."""
+
+    prid: str
+    blocks: list[list[int]]
+    tid: str | None
+    expected: int | None = None  # D's TP size, known from the first registration
+    legs: dict[int, PushTransfer] = field(default_factory=dict)
+    resolved: int = 0
+    ended: bool = False  # evicted: no more legs will be started
+
+    def waiting(self) -> bool:
+        return not self.ended and (self.expected is None or len(self.legs) < self.expected)
+
+
+@dataclass
 class PushTransfer:
-    """One P request on its way into one D registration."""
+    """One leg: a P request on its way into one D rank's registration."""
 
     prid: str
     blocks: list[list[int]]
@@ -49,6 +72,7 @@ class PushTransfer:
     handle: Any = None
     cancelled: bool = False  # D cancelled while the WRITE was in flight
     staged_at: float = field(default_factory=time.monotonic)
+    preq: PRequest | None = None
 
     @property
     def name(self) -> str:
@@ -62,11 +86,11 @@ class Producer:
         self.evict_finished_inbox: queue.SimpleQueue[str] = queue.SimpleQueue()
         # (transfer or None for a prefetch, host, port, handshake future)
         self.deferred_push_inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self.staged: MatchTable[PushTransfer] = MatchTable()
-        self.pending_regs: MatchTable[PendingReg] = MatchTable()
-        self.by_prid: dict[str, PushTransfer] = {}
+        self.staged: MatchTable[PRequest] = MatchTable()  # requests missing registrations
+        self.pending_regs: MatchTable[PendingGroup] = MatchTable()
+        self.by_prid: dict[str, PRequest] = {}
         self.by_dkey: dict[DKey, PushTransfer] = {}
-        self.writing: dict[str, PushTransfer] = {}
+        self.writing: dict[int, PushTransfer] = {}  # by id() of the leg
         self.tombstones: dict[DKey, float] = {}  # cancelled registrations, until expiry
         self.evicted_unknown: set[str] = set()  # evicted before their blocks reached us
         self.outbox: dict[tuple[str, int], list[wire.Message]] = defaultdict(list)
@@ -86,30 +110,34 @@ class Producer:
         if staged.request_id in self.by_prid:
             log.warning("request %s staged twice; ignoring the second", staged.request_id)
             return
-        t = PushTransfer(staged.request_id, staged.block_ids, staged.transfer_id)
-        transition(t, State.STAGED, t.name)
-        key = Key(t.prid, t.tid)
-        pend = self.pending_regs.pop(key)
-        if pend is None and self.staged.find(key) is not None and t.tid is not None:
-            log.warning("transfer id %s staged twice; ignoring %s", t.tid, t.prid)
+        preq = PRequest(staged.request_id, staged.block_ids, staged.transfer_id)
+        key = Key(preq.prid, preq.tid)
+        group = self.pending_regs.pop(key)
+        if group is None and self.staged.find(key) is not None and preq.tid is not None:
+            log.warning("transfer id %s staged twice; ignoring %s", preq.tid, preq.prid)
             return
-        self.by_prid[t.prid] = t
-        if pend is not None:
-            self._match(t, pend)
-        else:
-            self.staged.add(key, t)
+        self.by_prid[preq.prid] = preq
+        log.debug("transfer %s: staged (P request %s)", preq.tid or preq.prid, preq.prid)
+        for pend in (group.regs.values() if group else ()):
+            self._attach(preq, pend)
+        if preq.prid in self.by_prid and preq.waiting():
+            self.staged.add(key, preq)
 
     def on_evict(self, prid: str) -> None:
-        t = self.by_prid.get(prid)
-        if t is None:
+        preq = self.by_prid.get(prid)
+        if preq is None:
             self.evicted_unknown.add(prid)
             self.w.emit("sent", prid)  # nothing of ours holds it
             return
-        if t.state is State.WRITING:
-            return  # the WRITE's outcome finishes it; its source blocks stay held until then
-        transition(t, State.EXPIRED, t.name, "lease expired")
-        self._fail_to_d(t, "lease expired on the prefiller")
-        self._finish(t)
+        preq.ended = True
+        self.staged.pop_value(preq)
+        for leg in list(preq.legs.values()):
+            # A WRITE in flight ends by its outcome; its source blocks stay held until then.
+            if leg.state not in ENDED and leg.state is not State.WRITING:
+                transition(leg, State.EXPIRED, leg.name, "lease expired")
+                self._fail_to_d(leg, "lease expired on the prefiller")
+                self._finish(leg)
+        self._maybe_done(preq)
 
     def on_deferred(self, item: tuple[PushTransfer | None, str, int, Future[Any]]) -> None:
         t, host, port, fut = item
@@ -139,16 +167,23 @@ class Producer:
             self.w.stats["reg_after_cancel"] += 1
             log.warning("registration %s from %s arrived after its cancel; ignored", key, sender)
             return
-        if dkey in self.by_dkey or self.pending_regs.find(key) is not None:
+        group = self.pending_regs.find(key)
+        rank = reg.decode_tp_rank
+        if dkey in self.by_dkey or (group is not None and rank in group.regs):
             self.w.stats["reg_duplicate"] += 1
             log.warning("duplicate registration %s from %s ignored", key, sender)
             return
         pend = PendingReg(reg, sender, time.monotonic())
-        t = self.staged.pop(key)
-        if t is not None:
-            self._match(t, pend)
+        preq = self.staged.find(key)
+        if preq is not None:
+            self._attach(preq, pend)
+            if not preq.waiting():
+                self.staged.pop_value(preq)
             return
-        self.pending_regs.add(key, pend)
+        if group is None:
+            self.pending_regs.add(key, PendingGroup({rank: pend}))
+        else:
+            group.regs[rank] = pend
         # Handshake with D now, so the WRITE can start the moment P's blocks are ready.
         self._prefetch(reg.decode_host, reg.decode_port)
 
@@ -161,12 +196,15 @@ class Producer:
             transfer_id=msg.transfer_id,
             tp_rank=self.w.config.tp_rank,
         )
-        pend = self.pending_regs.pop(Key(msg.request_id, msg.transfer_id))
-        if pend is not None and pend.sender == sender:
+        key = Key(msg.request_id, msg.transfer_id)
+        group = self.pending_regs.find(key)
+        mine = [r for r, p in (group.regs.items() if group else ()) if p.sender == sender]
+        if group is not None and mine:
+            pend = group.regs.pop(mine[0])
+            if not group.regs:
+                self.pending_regs.pop_value(group)
             self._send_to(pend.reg, ack)
             return
-        if pend is not None:  # another D's registration: keep it
-            self.pending_regs.add(Key(pend.reg.request_id, pend.reg.transfer_id), pend)
         t = self.by_dkey.get(dkey)
         if t is None:
             if sender in self.w.peers_by_agent:  # nothing of ours can touch its blocks
@@ -182,36 +220,33 @@ class Producer:
 
     def on_heartbeat(self, sender: str, hb: wire.Heartbeat) -> None:
         for e in hb.entries:
-            t = self.by_dkey.get((sender, e.request_id))
-            if t is None:
-                t = self.staged.find(Key(e.request_id, e.transfer_id))
-            if t is not None:
-                self.w.emit("renewed", t.prid)
+            leg = self.by_dkey.get((sender, e.request_id))
+            key = Key(e.request_id, e.transfer_id)
+            preq = leg.preq if leg is not None else self.staged.find(key)
+            if preq is not None:
+                self.w.emit("renewed", preq.prid)
 
     # ---- timers --------------------------------------------------------------------------
 
     def on_timer(self, now: float) -> None:
         ttl = self.w.config.registration_ttl_s
-        for key, pend in self.pending_regs.items():
-            if now - pend.arrived > ttl:
-                self.pending_regs.pop(key)
+        for key, group in self.pending_regs.items():
+            for rank, pend in list(group.regs.items()):
+                if now - pend.arrived <= ttl:
+                    continue
+                del group.regs[rank]
                 self.w.stats["reg_expired"] += 1
                 log.warning("registration %s waited %.0fs for prefill blocks; failing it", key, ttl)
-                self._send_to(
-                    pend.reg,
-                    wire.PushFail(
-                        request_id=pend.reg.request_id,
-                        reason="no prefill blocks in time",
-                        transfer_id=pend.reg.transfer_id,
-                        tp_rank=self.w.config.tp_rank,
-                    ),
-                )
+                self._send_to(pend.reg, self._fail_msg(pend.reg, "no prefill blocks in time"))
+            if not group.regs:
+                self.pending_regs.pop_value(group)
         for dkey, until in list(self.tombstones.items()):
             if until < now:
                 del self.tombstones[dkey]
         held: dict[str, list[wire.HbEntry]] = defaultdict(list)
-        for pend in self.pending_regs.values():
-            held[pend.sender].append(wire.HbEntry(pend.reg.request_id, pend.reg.transfer_id))
+        for group in self.pending_regs.values():
+            for pend in group.regs.values():
+                held[pend.sender].append(wire.HbEntry(pend.reg.request_id, pend.reg.transfer_id))
         for (sender, d_rid), t in self.by_dkey.items():
             held[sender].append(wire.HbEntry(d_rid, t.tid))
         for sender, entries in held.items():
@@ -220,11 +255,27 @@ class Producer:
 
     # ---- matching and writing ------------------------------------------------------------
 
-    def _match(self, t: PushTransfer, pend: PendingReg) -> None:
-        t.reg, t.sender = pend.reg, pend.sender
-        self.by_dkey[(pend.sender, pend.reg.request_id)] = t
-        transition(t, State.MATCHED, t.name, f"with D request {pend.reg.request_id}")
-        self._push(t)
+    def _attach(self, preq: PRequest, pend: PendingReg) -> None:
+        """Start the leg of one D rank's registration: WRITE if this rank feeds that D rank."""
+        reg = pend.reg
+        if preq.expected is None:
+            preq.expected = reg.decode_tp_size
+        if reg.decode_tp_size != preq.expected or reg.decode_tp_rank in preq.legs:
+            self.w.stats["reg_invalid"] += 1
+            self._send_to(reg, self._fail_msg(reg, "inconsistent or repeated D rank"))
+            return
+        leg = PushTransfer(preq.prid, preq.blocks, preq.tid, preq=preq)
+        leg.reg, leg.sender = reg, pend.sender
+        preq.legs[reg.decode_tp_rank] = leg
+        self.by_dkey[(pend.sender, reg.request_id)] = leg
+        transition(leg, State.MATCHED, leg.name, f"with D request {reg.request_id}")
+        cfg = self.w.config
+        targets = p_targets(cfg.tp_rank, cfg.tp_size, reg.decode_tp_size, self.w.layout.attention)
+        if reg.decode_tp_rank in targets:
+            self._push(leg)
+        else:  # another P rank holds what this D rank needs
+            transition(leg, State.DONE, leg.name, "nothing of this rank for that D rank")
+            self._finish(leg)
 
     def _push(self, t: PushTransfer) -> None:
         if t.state in ENDED:
@@ -278,7 +329,7 @@ class Producer:
                 self.w.forget_peer(peer.agent)
             self._fail(t, peer, f"WRITE could not be posted: {e}")
             return
-        self.writing[t.prid] = t
+        self.writing[id(t)] = t
         self.w.stats["writes"] += 1
         self.w.stats["write_descs"] += len(src)
         self.w.stats["writes_staged"] += staged is not None
@@ -332,7 +383,7 @@ class Producer:
             changed += 1
             self.w.transport.release(t.handle)
             t.handle = None
-            del self.writing[t.prid]
+            del self.writing[id(t)]
             if state is WriteState.DONE:
                 transition(t, State.DONE, t.name)
                 self.w.stats["writes_done"] += 1
@@ -379,12 +430,20 @@ class Producer:
         )
 
     def _finish(self, t: PushTransfer) -> None:
-        """Forget the transfer and let the scheduler free P's blocks."""
-        self.by_prid.pop(t.prid, None)
+        """End one leg; the request's blocks are freed once every leg has ended."""
         if t.reg is not None:
             self.by_dkey.pop((t.sender, t.reg.request_id), None)
-        self.staged.pop_value(t)
-        self.writing.pop(t.prid, None)
+        self.writing.pop(id(t), None)
+        if t.preq is not None:
+            t.preq.resolved += 1
+            self._maybe_done(t.preq)
+
+    def _maybe_done(self, preq: PRequest) -> None:
+        if preq.resolved < len(preq.legs) or preq.waiting():
+            return
+        if self.by_prid.pop(preq.prid, None) is None:
+            return
+        self.staged.pop_value(preq)
         if self.w.staging is not None:
-            self.w.staging.release_push(t.prid)
-        self.w.emit("sent", t.prid)
+            self.w.staging.release_push(preq.prid)
+        self.w.emit("sent", preq.prid)

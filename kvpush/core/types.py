@@ -49,6 +49,7 @@ class RecvRegistration:
     remote_port: int
     remote_tp_size: int = 1
     transfer_id: str | None = None
+    remote_pp_size: int = 1
 
 
 @dataclass
@@ -147,8 +148,3 @@ class WorkerConfig:
             raise ConfigError(
                 f"descriptor_mode must be coalesced or prepped, not {self.descriptor_mode!r}"
             )
-
-
-def expected_writers(p_tp: int, d_tp: int) -> int:
-    """How many P ranks write into one D rank (each sends one completion)."""
-    return max(1, p_tp // d_tp)

@@ -237,7 +237,11 @@ def test_cancel_while_deferred_behind_handshake(pair_factory: Callable[..., Pair
     pair.p.prefill("p1", "t1", 3)
     pair.register("d1", "t1", 3)
     pair.until(
-        lambda: any(t.state.value == "deferred" for t in pair.p.worker.producer.by_prid.values()),
+        lambda: any(
+            leg.state.value == "deferred"
+            for preq in pair.p.worker.producer.by_prid.values()
+            for leg in preq.legs.values()
+        ),
         what="deferred",
     )
     pair.d.abort("d1")
