@@ -38,6 +38,25 @@ def free_port() -> int:
     raise RuntimeError("no free port in 20000-32000")
 
 
+def free_ports(n: int) -> int:
+    """The first of ``n`` consecutive free ports (TP/PP ranks listen on base + rank)."""
+    for _ in range(200):
+        base = free_port()
+        socks = []
+        try:
+            for k in range(n):
+                sock = socket.socket()
+                socks.append(sock)
+                sock.bind(("127.0.0.1", base + k))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in socks:
+                sock.close()
+    raise RuntimeError(f"no {n} consecutive free ports")
+
+
 def kvpush_config(role: str, engine_id: str, side_port: int, **extra: Any) -> dict[str, Any]:
     """A --kv-transfer-config for kvpush's connector (role: kv_producer or kv_consumer)."""
     return {

@@ -15,9 +15,10 @@ from typing import Any
 
 import numpy as np
 
-from kvpush.deploy.servers import free_port
+from kvpush.deploy.servers import free_ports
 from kvpush.sim.engine import SimSpec
 from kvpush.sim.process import EngineProcess
+from kvpush.sim.ranks import RankShape
 
 
 @dataclass
@@ -31,6 +32,11 @@ class DemoOptions:
     seed: int = 0
     timeout_s: float = 120.0
     log_level: str = "WARNING"
+    p_tp: int = 1
+    d_tp: int = 1
+    p_pp: int = 1
+    mla: bool = False
+    packed: bool = False
 
 
 def _suffix(rng: random.Random) -> str:
@@ -39,25 +45,67 @@ def _suffix(rng: random.Random) -> str:
 
 def run_demo(opts: DemoOptions) -> dict[str, Any]:
     rng = random.Random(opts.seed)
+    p_ranks, d_ranks = start_ranks(opts)
+    try:
+        for proc in p_ranks + d_ranks:
+            proc.wait_ready()
+        return _drive(opts, rng, p_ranks, d_ranks)
+    finally:
+        for proc in p_ranks + d_ranks:
+            proc.stop()
+
+
+def start_ranks(opts: DemoOptions) -> tuple[list[EngineProcess], list[EngineProcess]]:
+    """P ranks (PP stage-major; rank r listens on base + r) and D ranks, as processes."""
     common = dict(
         layers=opts.layers, num_blocks=opts.num_blocks, block_bytes=opts.block_bytes, seed=opts.seed
     )
-    p = EngineProcess(SimSpec("demo-P", free_port(), **common), opts.log_level)  # type: ignore[arg-type]
-    d = EngineProcess(SimSpec("demo-D", free_port(), **common), opts.log_level)  # type: ignore[arg-type]
-    try:
-        p.wait_ready()
-        d.wait_ready()
-        return _drive(opts, rng, p, d)
-    finally:
-        p.stop()
-        d.stop()
+    heads = max(opts.p_tp, opts.d_tp) if not opts.mla else 1
+    p_base, d_base = free_ports(opts.p_tp * opts.p_pp), free_ports(opts.d_tp)
+    p_ranks = [
+        EngineProcess(
+            SimSpec(
+                f"demo-P-s{s}r{i}",
+                p_base + s * opts.p_tp + i,
+                **common,  # type: ignore[arg-type]
+                shape=RankShape(i, opts.p_tp, s, opts.p_pp, heads, opts.mla, opts.packed),
+            ),
+            opts.log_level,
+        )
+        for s in range(opts.p_pp)
+        for i in range(opts.p_tp)
+    ]
+    d_ranks = [
+        EngineProcess(
+            SimSpec(
+                f"demo-D-r{j}",
+                d_base + j,
+                **common,  # type: ignore[arg-type]
+                shape=RankShape(j, opts.d_tp, 0, 1, heads, opts.mla, opts.packed),
+            ),
+            opts.log_level,
+        )
+        for j in range(opts.d_tp)
+    ]
+    return p_ranks, d_ranks
+
+
+@dataclass
+class _Req:
+    prid: str
+    p_first: bool
+    left: int  # D ranks still to report
+    failed: bool = False
+    bad: int = 0
+    nbytes: int = 0
+    t_done: float = 0.0
 
 
 def _drive(
-    opts: DemoOptions, rng: random.Random, p: EngineProcess, d: EngineProcess
+    opts: DemoOptions, rng: random.Random, ps: list[EngineProcess], ds: list[EngineProcess]
 ) -> dict[str, Any]:
     todo = list(range(opts.requests))
-    inflight: dict[str, tuple[str, str]] = {}  # D rid -> (P rid, first leg)
+    inflight: dict[str, _Req] = {}  # by D request id
     staged_t: dict[str, float] = {}
     reg_t: dict[str, float] = {}
     ready_ms: list[float] = []
@@ -67,7 +115,6 @@ def _drive(
     t0 = time.monotonic()
     t_last = t0
     deadline = t0 + opts.timeout_s
-    d_seen = 0
     while (todo or inflight) and time.monotonic() < deadline:
         while todo and len(inflight) < opts.window:
             i = todo.pop(0)
@@ -75,39 +122,57 @@ def _drive(
             prid, drid = f"cmpl-{i}-0-{_suffix(rng)}", f"cmpl-{i}-0-{_suffix(rng)}"
             n = rng.randint(1, opts.max_blocks)
             p_first = i % 2 == 0
-            reg = ("register", drid, tid, n, p.spec.engine_id, "127.0.0.1", p.spec.port)
+            reg = (
+                "register",
+                drid,
+                tid,
+                n,
+                ps[0].spec.engine_id,
+                "127.0.0.1",
+                ps[0].spec.port,
+                opts.p_tp,
+                opts.p_pp,
+            )
             pre = ("prefill", prid, tid, n)
-            first, second = (pre, reg) if p_first else (reg, pre)
-            (p if first is pre else d).send(*first)
-            (p if second is pre else d).send(*second)
+            for legs, cmd in ((ps, pre), (ds, reg)) if p_first else ((ds, reg), (ps, pre)):
+                for proc in legs:
+                    proc.send(*cmd)
             order["p_first" if p_first else "d_first"] += 1
-            inflight[drid] = (prid, "P" if p_first else "D")
-        for ev in p.pump(0.001):
-            if ev[0] == "staged":
-                staged_t[ev[1]] = ev[2]["t"]
-        new = d.pump(0.001)
-        for ev in d.events[d_seen:]:
-            kind, rid, info = ev
-            if kind == "registered":
-                reg_t[rid] = info["t"]
-            elif kind in ("recv", "failed", "nospace") and rid in inflight:
-                prid, _ = inflight.pop(rid)
+            inflight[drid] = _Req(prid, p_first, len(ds))
+        for proc in ps:
+            for kind, rid, info in proc.pump(0.0005):
+                if kind == "staged":
+                    staged_t[rid] = max(staged_t.get(rid, 0.0), info["t"])
+        for proc in ds:
+            for kind, rid, info in proc.pump(0.0005):
+                if kind == "registered":
+                    reg_t[rid] = max(reg_t.get(rid, 0.0), info["t"])
+                    continue
+                req = inflight.get(rid)
+                if req is None or kind not in ("recv", "failed", "nospace"):
+                    continue
+                req.left -= 1
+                req.failed |= kind != "recv"
                 if kind == "recv":
-                    completed += 1
-                    bad += info["bad_regions"] > 0
-                    if info["bad_regions"] == 0:
-                        nbytes += info["bytes"]
-                    t_done: float = info["t"]
-                    start = max(staged_t.get(prid, t_done), reg_t.get(rid, t_done))
-                    ready_ms.append((t_done - start) * 1e3)
-                    t_last = t_done
-                else:
+                    req.bad += info["bad_regions"]
+                    req.nbytes += info["bytes"]
+                    req.t_done = max(req.t_done, info["t"])
+                if req.left:
+                    continue
+                del inflight[rid]
+                if req.failed:
                     failed += 1
-        d_seen = len(d.events)
-        del new
+                    continue
+                completed += 1
+                bad += req.bad > 0
+                if not req.bad:
+                    nbytes += req.nbytes
+                start = max(staged_t.get(req.prid, req.t_done), reg_t.get(rid, req.t_done))
+                ready_ms.append((req.t_done - start) * 1e3)
+                t_last = max(t_last, req.t_done)
     elapsed = max(t_last - t0, 1e-9)
-    held_p, held_d = _settle(p, d)
-    stats_p = p.stats()
+    held_p, held_d = _settle(ps, ds)
+    stats = [proc.stats() for proc in ps]
     return {
         "requests": opts.requests,
         "completed": completed,
@@ -119,19 +184,24 @@ def _drive(
         "kv_ready_ms_p50": _pct(ready_ms, 50),
         "kv_ready_ms_p99": _pct(ready_ms, 99),
         "gib_per_s": round(nbytes / elapsed / 2**30, 3),
-        "writes": stats_p.get("writes", 0),
-        "write_descriptors": stats_p.get("write_descs", 0),
+        "writes": sum(st.get("writes", 0) for st in stats),
+        "write_descriptors": sum(st.get("write_descs", 0) for st in stats),
+        "p_ranks": len(ps),
+        "d_ranks": len(ds),
         **order,
     }
 
 
-def _settle(p: EngineProcess, d: EngineProcess, timeout: float = 10.0) -> tuple[int, int]:
-    """Blocks still held once both sides are idle (polled with a deadline)."""
+def _settle(
+    ps: list[EngineProcess], ds: list[EngineProcess], timeout: float = 10.0
+) -> tuple[int, int]:
+    """Blocks still held once every rank is idle (polled with a deadline)."""
     deadline = time.monotonic() + timeout
     while True:
-        sp, sd = p.stats(), d.stats()
-        if (sp["held_blocks"] == 0 and sd["held_blocks"] == 0) or time.monotonic() > deadline:
-            return int(sp["held_blocks"]), int(sd["held_blocks"])
+        held_p = sum(int(proc.stats()["held_blocks"]) for proc in ps)
+        held_d = sum(int(proc.stats()["held_blocks"]) for proc in ds)
+        if (held_p == 0 and held_d == 0) or time.monotonic() > deadline:
+            return held_p, held_d
         time.sleep(0.05)
 
 
@@ -143,7 +213,8 @@ def render(summary: dict[str, Any]) -> str:
     s = summary
     return "\n".join(
         [
-            f"kvpush synthetic demo: {s['requests']} requests pushed P -> D over NIXL",
+            f"kvpush synthetic demo: {s['requests']} requests pushed from {s['p_ranks']} P "
+            f"rank(s) into {s['d_ranks']} D rank(s) over NIXL",
             f"  completed        {s['completed']}  "
             f"(failed {s['failed']}, corrupted {s['corrupted']})",
             f"  bytes verified   {s['bytes_verified'] / 2**20:.1f} MiB, every byte checked on D",

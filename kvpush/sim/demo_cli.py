@@ -39,7 +39,21 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     s = p.add_argument_group("synthetic demo")
     s.add_argument("--max-blocks", type=int, default=32, help="largest request, in blocks")
     s.add_argument("--layers", type=int, default=4)
-    s.add_argument("--block-bytes", type=int, default=16384, help="bytes per block per K/V region")
+    s.add_argument(
+        "--block-bytes",
+        type=int,
+        default=16384,
+        help="bytes of one block of one layer's K or V (all KV heads), or MLA page",
+    )
+    s.add_argument("--p-tp", type=int, default=1, help="prefill tensor-parallel ranks (1, 2, 4)")
+    s.add_argument("--d-tp", type=int, default=1, help="decode tensor-parallel ranks (1, 2, 4)")
+    s.add_argument("--p-pp", type=int, default=1, help="prefill pipeline stages")
+    s.add_argument("--mla", action="store_true", help="MLA caches: pages replicated per rank")
+    s.add_argument(
+        "--packed",
+        action="store_true",
+        help="packed MLA rows (all layers of a block in one row); implies --mla",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_run)
 
@@ -63,6 +77,13 @@ def _synthetic(args: argparse.Namespace) -> tuple[dict[str, Any], bool]:
         raise SystemExit(
             "kvpush demo: --requests, --max-blocks, --layers, --block-bytes must be >= 1"
         )
+    if args.p_tp not in (1, 2, 4) or args.d_tp not in (1, 2, 4) or args.p_pp < 1:
+        raise SystemExit("kvpush demo: --p-tp and --d-tp must be 1, 2 or 4; --p-pp >= 1")
+    if args.layers % args.p_pp:
+        raise SystemExit("kvpush demo: --layers must be a multiple of --p-pp")
+    heads = max(args.p_tp, args.d_tp)
+    if not (args.mla or args.packed) and args.block_bytes % heads:
+        raise SystemExit(f"kvpush demo: --block-bytes must divide into {heads} KV heads")
     opts = DemoOptions(
         requests=n,
         max_blocks=args.max_blocks,
@@ -71,6 +92,11 @@ def _synthetic(args: argparse.Namespace) -> tuple[dict[str, Any], bool]:
         seed=args.seed,
         num_blocks=max(1024, 16 * args.max_blocks),
         log_level=args.log_level.upper(),
+        p_tp=args.p_tp,
+        d_tp=args.d_tp,
+        p_pp=args.p_pp,
+        mla=args.mla or args.packed,
+        packed=args.packed,
     )
     summary = run_demo(opts)
     print(json.dumps(summary) if args.json else render(summary))

@@ -10,18 +10,16 @@ from __future__ import annotations
 import logging
 import random
 import time
-import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from kvpush.core.ids import base_request_id
-from kvpush.core.layout import KVLayout, Region
 from kvpush.core.scheduler import PushScheduler, SchedulerConfig
 from kvpush.core.transport import Transport
 from kvpush.core.types import RecvRegistration, WorkerConfig
 from kvpush.core.worker import PushWorker
+from kvpush.sim.faults import FaultPlan
+from kvpush.sim.ranks import RankMemory, RankShape
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +38,8 @@ class SimSpec:
     lease_s: float = 30.0
     watchdog_s: float = 30.0
     worker: dict[str, Any] = field(default_factory=dict)  # extra WorkerConfig fields
+    faults: FaultPlan | None = None  # process.py wraps the transport in a FaultTransport
+    shape: RankShape = field(default_factory=RankShape)  # TP / PP rank, MLA, packed rows
 
 
 def content_key(rid: str, tid: str | None) -> str:
@@ -47,38 +47,25 @@ def content_key(rid: str, tid: str | None) -> str:
     return tid or base_request_id(rid)
 
 
-def pattern(transfer_id: str, region: int, n_blocks: int, block_bytes: int) -> np.ndarray:
-    """The bytes P writes for one request in one region: reproducible on D."""
-    # Every 8-byte word differs by transfer, region and position; cheap to make on both sides.
-    base = np.uint64((zlib.crc32(transfer_id.encode()) << 32) | (region << 20))
-    words = -(-n_blocks * block_bytes // 8)
-    with np.errstate(over="ignore"):
-        vals = np.arange(words, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15) + base
-    return vals.view(np.uint8)[: n_blocks * block_bytes].reshape(n_blocks, block_bytes)
-
-
 class SimEngine:
     def __init__(self, spec: SimSpec, transport: Transport, **worker_kw: Any) -> None:
         self.spec = spec
-        regions = 2 * spec.layers  # K and V of every layer
-        self.kv = np.zeros((regions, spec.num_blocks, spec.block_bytes), dtype=np.uint8)
-        layout = KVLayout(
-            regions=[
-                Region(
-                    f"layer{i // 2}.{'kv'[i % 2]}",
-                    self.kv[i].ctypes.data,
-                    spec.block_bytes,
-                    spec.num_blocks,
-                )
-                for i in range(regions)
-            ],
-            block_size=spec.block_size,
+        self.mem = RankMemory(
+            spec.shape, spec.layers, spec.num_blocks, spec.block_bytes, spec.block_size
         )
+        layout = self.mem.layout
         self.free = list(range(spec.num_blocks))
         if spec.scattered:
             random.Random(spec.seed).shuffle(self.free)
         self.sched = PushScheduler(SchedulerConfig(spec.lease_s, spec.watchdog_s))
-        wcfg = WorkerConfig(engine_id=spec.engine_id, host=spec.host, port=spec.port, **spec.worker)
+        wcfg = WorkerConfig(
+            engine_id=spec.engine_id,
+            host=spec.host,
+            port=spec.port,
+            tp_rank=spec.shape.tp_rank,
+            tp_size=spec.shape.tp_size,
+            **spec.worker,
+        )
         self.worker = PushWorker(wcfg, transport, layout, **worker_kw)
         self.p_reqs: dict[str, list[int]] = {}
         self.d_reqs: dict[str, tuple[list[int], str]] = {}
@@ -100,24 +87,40 @@ class SimEngine:
         blocks = self._alloc(n_blocks)
         if blocks is None:
             return False
-        for r in range(self.kv.shape[0]):
-            self.kv[r, blocks] = pattern(content_key(rid, tid), r, n_blocks, self.spec.block_bytes)
+        self.mem.fill(content_key(rid, tid), blocks)
         self.p_reqs[rid] = blocks
         self.sched.request_finished(rid, [blocks], tid)
         self.events.append(("staged", rid, {"t": time.monotonic()}))
         return True
 
     def register(
-        self, rid: str, tid: str, n_blocks: int, p_engine: str, p_host: str, p_port: int
+        self,
+        rid: str,
+        tid: str | None,
+        n_blocks: int,
+        p_engine: str,
+        p_host: str,
+        p_port: int,
+        p_tp: int = 1,
+        p_pp: int = 1,
     ) -> bool:
         """D: allocate blocks for a request and register them for P's push."""
         blocks = self._alloc(n_blocks)
         if blocks is None:
             return False
-        self.kv[:, blocks] = 0
+        self.mem.zero(blocks)
         self.d_reqs[rid] = (blocks, content_key(rid, tid))
         self.sched.add_registration(
-            RecvRegistration(rid, [blocks], p_engine, p_host, p_port, transfer_id=tid)
+            RecvRegistration(
+                rid,
+                [blocks],
+                p_engine,
+                p_host,
+                p_port,
+                remote_tp_size=p_tp,
+                transfer_id=tid,
+                remote_pp_size=p_pp,
+            )
         )
         self.events.append(("registered", rid, {"t": time.monotonic()}))
         return True
@@ -142,7 +145,7 @@ class SimEngine:
             blocks, tid = self.d_reqs.pop(rid)
             bad = self.verify(blocks, tid)
             self._release(blocks)
-            nbytes = len(blocks) * self.kv.shape[0] * self.spec.block_bytes
+            nbytes = len(blocks) * self.mem.bytes_per_block
             self.events.append(("recv", rid, {"t": now, "bytes": nbytes, "bad_regions": bad}))
         for rid, reason in out.failed_recving.items():
             self._release(self.d_reqs.pop(rid)[0])
@@ -152,14 +155,8 @@ class SimEngine:
             self.events.append(("released", rid, {"t": now}))
 
     def verify(self, blocks: list[int], key: str) -> int:
-        """Number of regions whose bytes differ from what P wrote."""
-        bad = 0
-        for r in range(self.kv.shape[0]):
-            if not np.array_equal(
-                self.kv[r, blocks], pattern(key, r, len(blocks), self.spec.block_bytes)
-            ):
-                bad += 1
-        return bad
+        """Number of head pages (layer, K/V, head, block) that differ from what P wrote."""
+        return self.mem.verify(key, blocks)
 
     def take_events(self) -> list[tuple[str, str, dict[str, Any]]]:
         events, self.events = self.events, []

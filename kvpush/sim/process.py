@@ -16,6 +16,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from kvpush.sim.engine import SimEngine, SimSpec
+from kvpush.sim.faults import FaultInjector, FaultTransport
 
 Event = tuple[str, str, dict[str, Any]]
 
@@ -29,10 +30,18 @@ def _serve(conn: Connection, spec: SimSpec, log_level: str) -> None:
         format=f"%(asctime)s {spec.engine_id} %(threadName)s %(name)s %(levelname)s %(message)s",
     )
     logging.getLogger("NIXL").setLevel(max(logging.WARNING, logging.getLogger().level))
+    from kvpush.core.handshake import fetch_agent_info
     from kvpush.core.nixl_transport import NixlTransport
+    from kvpush.core.transport import Transport
     from kvpush.core.worker import make_agent_name
 
-    engine = SimEngine(spec, NixlTransport(make_agent_name(spec.engine_id, 0)))
+    transport: Transport = NixlTransport(make_agent_name(spec.engine_id, 0))
+    kw: dict[str, Any] = {}
+    if spec.faults is not None:  # armed at start or later by a "faults" command
+        injector = FaultInjector(spec.faults)
+        transport = FaultTransport(transport, injector)
+        kw["fetch"] = injector.wrap_fetch(fetch_agent_info)
+    engine = SimEngine(spec, transport, **kw)
     conn.send(("ready", spec.engine_id, {"agent": engine.worker.info.agent_name}))
     try:
         while True:
@@ -60,7 +69,15 @@ def _handle(engine: SimEngine, conn: Connection, cmd: tuple[Any, ...]) -> None:
             conn.send(("nospace", cmd[1], {}))
     elif kind == "abort":
         engine.abort(cmd[1])
+    elif kind == "faults":
+        tr = engine.worker.transport
+        if isinstance(tr, FaultTransport):
+            tr.injector.set_plan(cmd[1])
+        else:
+            conn.send(("error", "faults", {"reason": "started without SimSpec.faults"}))
     elif kind == "stats":
+        tr = engine.worker.transport
+        faults = dict(tr.injector.fired) if isinstance(tr, FaultTransport) else {}
         conn.send(
             (
                 "stats",
@@ -68,6 +85,8 @@ def _handle(engine: SimEngine, conn: Connection, cmd: tuple[Any, ...]) -> None:
                 {
                     "held_blocks": engine.held_blocks(),
                     "busy": engine.busy(),
+                    "writer_alive": engine.worker._thread.is_alive(),
+                    "faults": faults,
                     **engine.worker.snapshot(),
                 },
             )

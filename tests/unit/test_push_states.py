@@ -14,6 +14,7 @@ from kvpush.core.handshake import fetch_agent_info
 from kvpush.core.memory_transport import Fabric, MemoryTransport
 from kvpush.core.worker import make_agent_name
 from kvpush.sim.engine import SimEngine, SimSpec
+from kvpush.sim.ranks import RankShape
 from tests.conftest import free_port, wait_until
 
 FAST = {"handshake_timeout_s": 0.5, "heartbeat_interval_s": 0.05}
@@ -295,3 +296,23 @@ def test_malformed_notifications_do_not_stop_the_writer(pair_factory: Callable[.
     pair.p.prefill("p1", "t1", 2)
     pair.register("d1", "t1", 2)
     pair.until(lambda: recv_ok(pair, "d1"), what="the writer still pushes")
+
+
+@pytest.mark.parametrize(
+    "p_kw, d_kw, why",
+    [
+        ({"block_bytes": 8192}, {}, "page size"),
+        ({"layers": 6}, {}, "layer4.k is not advertised"),
+        ({"shape": RankShape(pp_size=2, pp_rank=0, packed=True)}, {}, "one side has packed rows"),
+    ],
+    ids=["page-size", "missing-layer", "packed-vs-flat"],
+)
+def test_handshake_refuses_incompatible_layouts(
+    pair_factory: Callable[..., Pair], p_kw: dict[str, Any], d_kw: dict[str, Any], why: str
+) -> None:
+    pair = pair_factory(p_kw=p_kw, d_kw=d_kw)
+    pair.register("d1", "t1", 2)
+    pair.until(lambda: "failed" in pair.d_kinds("d1"), what="refused registration")
+    reason = next(i["reason"] for k, _, i in pair.d_events if k == "failed")
+    assert "incompatible" in reason and why in reason, reason
+    assert pair.p.worker.stats["writes"] == 0
