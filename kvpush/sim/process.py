@@ -113,7 +113,7 @@ class EngineProcess:
         self.events: list[Event] = []
         self.agent = ""
 
-    def wait_ready(self, timeout: float = 60.0) -> None:
+    def wait_ready(self, timeout: float = 180.0) -> None:
         ev = self.wait_for(lambda e: e[0] == "ready", timeout, "ready")
         self.agent = ev[2]["agent"]
 

@@ -77,6 +77,7 @@ class KVPushConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 bool(ktc.is_kv_producer),
                 bool(ktc.is_kv_consumer),
                 tp_size,
+                int(vllm_config.parallel_config.pipeline_parallel_size),
             )
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -94,7 +95,8 @@ class KVPushConnector(KVConnectorBase_V1):  # type: ignore[misc]
             int(getattr(self._kv_cache_config, "num_blocks", 0))
             or next(iter(kv_caches.values())).shape[0]
         )
-        self.worker_side.register(kv_caches, num_blocks, self.block_size)
+        mla = bool(getattr(self._vllm_config.model_config, "use_mla", False))
+        self.worker_side.register(kv_caches, num_blocks, self.block_size, mla)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         assert self.worker_side is not None

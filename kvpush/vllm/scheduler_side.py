@@ -34,8 +34,10 @@ class SchedulerSide:
         is_producer: bool,
         is_consumer: bool,
         tp_size: int,
+        pp_size: int = 1,
     ) -> None:
         self.engine_id = engine_id
+        self.pp_size = pp_size
         self.opts = opts
         self.is_producer = is_producer
         self.is_consumer = is_consumer
@@ -81,6 +83,7 @@ class SchedulerSide:
                 remote_port=int(params["remote_port"]),
                 remote_tp_size=int(params.get("remote_tp_size", params.get("tp_size", 1))),
                 transfer_id=str(params["transfer_id"]) if params.get("transfer_id") else None,
+                remote_pp_size=int(params.get("remote_pp_size", 1)),
             )
         except (KeyError, TypeError, ValueError) as e:
             self.sched.reject(rid, f"kv_transfer_params lack the prefiller's side channel: {e!r}")
@@ -112,6 +115,7 @@ class SchedulerSide:
             "remote_host": self.opts.side_channel_host,
             "remote_port": self.opts.side_channel_port,
             "remote_tp_size": self.tp_size,
+            "remote_pp_size": self.pp_size,
         }
 
     def update(self, sending: set[str], recving: set[str], worker_meta: Any) -> None:

@@ -29,7 +29,14 @@ class StepReport:
     renewed: set[str] = field(default_factory=set)
 
 
-def layout_from_tensors(kv_caches: dict[str, Any], num_blocks: int, block_size: int) -> KVLayout:
+def layout_from_tensors(
+    kv_caches: dict[str, Any],
+    num_blocks: int,
+    block_size: int,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    mla: bool = False,
+) -> KVLayout:
     """One region per layer (or per K and V when they are separate tensors' halves).
 
     A layer tensor either has blocks outermost (``[num_blocks, ...]``, as vLLM's CPU
@@ -41,8 +48,12 @@ def layout_from_tensors(kv_caches: dict[str, Any], num_blocks: int, block_size: 
     for name, t in kv_caches.items():
         mem_type = "VRAM" if getattr(t, "is_cuda", False) else "DRAM"
         device = int(t.device.index or 0) if mem_type == "VRAM" else 0
+        heads = 0
         if t.shape[0] == num_blocks:
             halves = [("", t)]
+            # vLLM's CPU layout [blocks, kv_heads, ...] is head-major inside a block, so a
+            # peer of another TP size can address a head slice.
+            heads = int(t.shape[1]) if t.dim() == 4 and not mla else 0
         elif t.shape[0] == 2 and t.shape[1] == num_blocks:
             halves = [(".k", t[0]), (".v", t[1])]
         else:
@@ -51,8 +62,25 @@ def layout_from_tensors(kv_caches: dict[str, Any], num_blocks: int, block_size: 
             block_len = part.stride(0) * part.element_size()
             if part[0].numel() * part.element_size() != block_len:
                 raise ConfigError(f"KV cache {name}: a block is not one contiguous range")
-            regions.append(Region(name + suffix, part.data_ptr(), block_len, num_blocks, device))
-    return KVLayout(regions=regions, block_size=block_size, mem_type=mem_type)  # type: ignore[arg-type]
+            regions.append(
+                Region(
+                    name + suffix,
+                    part.data_ptr(),
+                    block_len,
+                    num_blocks,
+                    device,
+                    layers=[name],
+                    kv_heads=heads,
+                )
+            )
+    return KVLayout(
+        regions=regions,
+        block_size=block_size,
+        mem_type=mem_type,  # type: ignore[arg-type]
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        attention="mla" if mla else "standard",
+    )
 
 
 class WorkerSide:
@@ -65,10 +93,14 @@ class WorkerSide:
         self._reported: Counter[str] = Counter()
         self._meta = StepReport()
 
-    def register(self, kv_caches: dict[str, Any], num_blocks: int, block_size: int) -> None:
+    def register(
+        self, kv_caches: dict[str, Any], num_blocks: int, block_size: int, mla: bool = False
+    ) -> None:
         from kvpush.core.nixl_transport import NixlTransport
 
-        layout = layout_from_tensors(kv_caches, num_blocks, block_size)
+        layout = layout_from_tensors(
+            kv_caches, num_blocks, block_size, self.tp_rank, self.tp_size, mla
+        )
         cfg = WorkerConfig(
             engine_id=self.engine_id,
             host=self.opts.side_channel_host,
