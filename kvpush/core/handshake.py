@@ -6,7 +6,10 @@ itself), checks compatibility, and the writer then loads the NIXL metadata.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
+import os
 import threading
 from typing import Annotated
 
@@ -38,14 +41,21 @@ class AgentInfo(msgspec.Struct, kw_only=True):
 class HandshakeRequest(msgspec.Struct, kw_only=True):
     protocol_version: int
     engine_id: str  # the asking engine, for logs
+    nonce: Annotated[bytes, msgspec.Meta(max_length=64)] = b""  # fresh per handshake
 
 
 class HandshakeReply(msgspec.Struct, kw_only=True):
-    info: AgentInfo | None = None
+    info: bytes | None = None  # msgpack of AgentInfo, exactly as the MAC covers it
+    mac: bytes = b""  # HMAC-SHA256(shared secret, nonce + info) when the server has a secret
     error: str | None = None
 
 
+def _mac(secret: bytes, nonce: bytes, info: bytes) -> bytes:
+    return hmac.new(secret, nonce + info, hashlib.sha256).digest()
+
+
 _reply_decoder = msgspec.msgpack.Decoder(HandshakeReply)
+_info_decoder = msgspec.msgpack.Decoder(AgentInfo)
 _request_decoder = msgspec.msgpack.Decoder(HandshakeRequest)
 _encoder = msgspec.msgpack.Encoder()
 
@@ -53,8 +63,9 @@ _encoder = msgspec.msgpack.Encoder()
 class SideChannelServer:
     """Answers handshake requests with a fixed AgentInfo, on its own thread."""
 
-    def __init__(self, host: str, port: int, info: AgentInfo) -> None:
-        self._info = info
+    def __init__(self, host: str, port: int, info: AgentInfo, secret: bytes | None = None) -> None:
+        self._info = _encoder.encode(info)
+        self._secret = secret
         self._stop = threading.Event()
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.REP)
@@ -93,7 +104,8 @@ class SideChannelServer:
                 error=f"protocol version {req.protocol_version} != {PROTOCOL_VERSION}"
             )
         log.debug("handshake from engine %s", req.engine_id)
-        return HandshakeReply(info=self._info)
+        mac = _mac(self._secret, req.nonce, self._info) if self._secret else b""
+        return HandshakeReply(info=self._info, mac=mac)
 
     def close(self) -> None:
         self._stop.set()
@@ -101,19 +113,26 @@ class SideChannelServer:
 
 
 def fetch_agent_info(
-    host: str, port: int, engine_id: str, timeout_s: float, local: KVLayout | None = None
+    host: str,
+    port: int,
+    engine_id: str,
+    timeout_s: float,
+    local: KVLayout | None = None,
+    secret: bytes | None = None,
 ) -> AgentInfo:
     """Ask a peer's side channel for its AgentInfo; raise HandshakeError on any failure.
 
-    With ``local`` given, the peer's layout must be writable from ours.
+    With ``local`` given, the peer's layout must be writable from ours. With ``secret``
+    given, the peer must prove it holds the same secret (HMAC over our nonce and its info).
     """
+    nonce = os.urandom(16)
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     sock = ctx.socket(zmq.REQ)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_INFO_BYTES)
     try:
         sock.connect(f"tcp://{host}:{port}")
-        req = HandshakeRequest(protocol_version=PROTOCOL_VERSION, engine_id=engine_id)
+        req = HandshakeRequest(protocol_version=PROTOCOL_VERSION, engine_id=engine_id, nonce=nonce)
         sock.send(_encoder.encode(req))
         if not sock.poll(int(timeout_s * 1000)):
             raise HandshakeError(f"no handshake answer from {host}:{port} in {timeout_s:.1f}s")
@@ -126,7 +145,12 @@ def fetch_agent_info(
         sock.close()
     if reply.error is not None or reply.info is None:
         raise HandshakeError(f"{host}:{port} refused the handshake: {reply.error}")
-    info = reply.info
+    if secret and not hmac.compare_digest(reply.mac, _mac(secret, nonce, reply.info)):
+        raise HandshakeError(f"{host}:{port} failed to prove the shared secret; not trusted")
+    try:
+        info = _info_decoder.decode(reply.info)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise HandshakeError(f"malformed agent info from {host}:{port}: {e}") from e
     if info.protocol_version != PROTOCOL_VERSION:
         raise HandshakeError(
             f"{host}:{port} speaks protocol {info.protocol_version}, we {PROTOCOL_VERSION}"

@@ -167,6 +167,8 @@ class Producer:
             self.w.stats["reg_after_cancel"] += 1
             log.warning("registration %s from %s arrived after its cancel; ignored", key, sender)
             return
+        if not self._trusted(sender, reg):
+            return
         group = self.pending_regs.find(key)
         rank = reg.decode_tp_rank
         if dkey in self.by_dkey or (group is not None and rank in group.regs):
@@ -186,6 +188,19 @@ class Producer:
             group.regs[rank] = pend
         # Handshake with D now, so the WRITE can start the moment P's blocks are ready.
         self._prefetch(reg.decode_host, reg.decode_port)
+
+    def _trusted(self, sender: str, reg: wire.PushReg) -> bool:
+        """A registration may only name a decoder on the allowlist; nothing else is contacted."""
+        allow = self.w.config.trusted_decoders
+        where = f"{reg.decode_host}:{reg.decode_port}"
+        if allow is None or where in allow:
+            return True
+        self.w.stats["reg_untrusted"] += 1
+        log.warning("registration %s from %s names untrusted decoder %s; refused",
+                    reg.request_id, sender, where)
+        if sender in self.w.peers_by_agent:  # a peer we already trust can hear why
+            self.w.notify(sender, self._fail_msg(reg, f"decoder {where} is not trusted"))
+        return False
 
     def on_cancel(self, sender: str, msg: wire.PushCancel) -> None:
         dkey = (sender, msg.request_id)

@@ -123,6 +123,10 @@ class WorkerConfig:
     # "coalesced": build descriptors per WRITE, one per contiguous run (default).
     # "prepped": prepare every block's descriptor once per peer and WRITE by index.
     descriptor_mode: str = "coalesced"
+    # Trust: P pushes only to decoders whose side channel ("host:port") is listed (None:
+    # any), and with a shared secret every handshake peer must prove it holds the same.
+    trusted_decoders: frozenset[str] | None = None
+    shared_secret: bytes | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not self.engine_id:

@@ -98,7 +98,7 @@ class PushWorker:
         self.consumer = Consumer(self)
         self._poll_s = config.poll_interval_s
         self._next_timers = 0.0
-        self._server = SideChannelServer(config.host, config.port, self.info)
+        self._server = SideChannelServer(config.host, config.port, self.info, config.shared_secret)
         self._thread = threading.Thread(target=self._run, name="kvpush-writer", daemon=True)
         self._thread.start()
 
@@ -178,6 +178,7 @@ class PushWorker:
                 self.config.engine_id,
                 self.config.handshake_timeout_s,
                 None,  # layouts are checked per direction on the writer (pairs_to / check_from)
+                secret=self.config.shared_secret,
             )
             self._hs_futures[key] = fut
             self.stats["handshakes"] += 1

@@ -10,6 +10,7 @@ from kvpush.core.errors import ConfigError
 
 ENV_HOST = "KVPUSH_SIDE_CHANNEL_HOST"
 ENV_PORT = "KVPUSH_SIDE_CHANNEL_PORT"
+ENV_SECRET = "KVPUSH_SHARED_SECRET"  # from the environment only: configs end up in logs
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,17 @@ class ConnectorOptions:
     handshake_timeout_s: float = 5.0
     registration_ttl_s: float = 60.0
     descriptor_mode: str = "coalesced"
+    trusted_decoders: str = ""  # "host:port,host:port" of decoder side channels; empty: any
+    shared_secret: str = ""
+
+    @property
+    def trusted(self) -> frozenset[str] | None:
+        names = [x.strip() for x in self.trusted_decoders.split(",") if x.strip()]
+        return frozenset(names) if names else None
+
+    @property
+    def secret(self) -> bytes | None:
+        return self.shared_secret.encode() if self.shared_secret else None
 
     @classmethod
     def parse(
@@ -39,14 +51,16 @@ class ConnectorOptions:
             values["side_channel_host"] = env[ENV_HOST]
         if ENV_PORT in env:
             values["side_channel_port"] = env[ENV_PORT]
-        known = {f.name: f for f in fields(cls)}
+        known = {f.name: f for f in fields(cls) if f.name != "shared_secret"}
         for key, value in (extra or {}).items():
             if key not in known:
                 raise ConfigError(
                     f"unknown kvpush option {key!r} in kv_connector_extra_config; "
                     f"known: {', '.join(sorted(known))}"
                 )
-            values[key] = value
+            values[key] = ",".join(map(str, value)) if isinstance(value, list) else value
+        if env.get(ENV_SECRET):
+            values["shared_secret"] = env[ENV_SECRET]
         out: dict[str, Any] = {}
         for key, value in values.items():
             kind = type(getattr(cls, key))
@@ -68,6 +82,10 @@ class ConnectorOptions:
         ):
             if not getattr(opts, name) > 0:
                 raise ConfigError(f"kvpush option {name} must be > 0")
+        for where in opts.trusted or ():
+            host, _, port = where.rpartition(":")
+            if not host or not port.isdigit():
+                raise ConfigError(f"trusted_decoders entry {where!r} is not host:port")
         if opts.descriptor_mode not in ("coalesced", "prepped"):
             raise ConfigError("descriptor_mode must be 'coalesced' or 'prepped'")
         return opts

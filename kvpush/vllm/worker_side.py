@@ -111,6 +111,8 @@ class WorkerSide:
             handshake_timeout_s=self.opts.handshake_timeout_s,
             registration_ttl_s=self.opts.registration_ttl_s,
             descriptor_mode=self.opts.descriptor_mode,
+            trusted_decoders=self.opts.trusted,
+            shared_secret=self.opts.secret,
         )
         transport = NixlTransport(make_agent_name(self.engine_id, self.tp_rank))
         self.worker = PushWorker(cfg, transport, layout)

@@ -30,13 +30,16 @@ class Pair:
     ) -> None:
         self.fabric = Fabric()
         worker = {**FAST, **spec.pop("worker", {})}
+        p_kw, d_kw = dict(p_kw or {}), dict(d_kw or {})
+        p_worker = {**worker, **p_kw.pop("worker", {})}
+        d_worker = {**worker, **d_kw.pop("worker", {})}
         self.p = SimEngine(
-            SimSpec("P", free_port(), worker=worker, **spec, **(p_kw or {})),
+            SimSpec("P", free_port(), worker=p_worker, **spec, **p_kw),
             MemoryTransport(self.fabric, make_agent_name("P", 0)),
             fetch=p_fetch,
         )
         self.d = SimEngine(
-            SimSpec("D", free_port(), worker=worker, **spec, **(d_kw or {})),
+            SimSpec("D", free_port(), worker=d_worker, **spec, **d_kw),
             MemoryTransport(self.fabric, make_agent_name("D", 0)),
         )
         self.p_events: list[tuple[str, str, dict[str, Any]]] = []

@@ -1,0 +1,105 @@
+"""The vLLM adapter's pure parts: options and the scheduler-side request mapping."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from kvpush.core.errors import ConfigError
+from kvpush.vllm.config import ConnectorOptions
+from kvpush.vllm.scheduler_side import SchedulerSide
+
+
+def test_options_defaults_env_and_validation() -> None:
+    o = ConnectorOptions.parse({}, env={})
+    assert o.side_channel_port == 5600 and o.trusted is None and o.secret is None
+    o = ConnectorOptions.parse(
+        {"side_channel_port": "5701", "trusted_decoders": ["10.0.0.2:5800", "h:5801"]},
+        env={"KVPUSH_SHARED_SECRET": "abc", "KVPUSH_SIDE_CHANNEL_HOST": "0.0.0.0"},
+    )
+    assert o.side_channel_port == 5701 and o.side_channel_host == "0.0.0.0"
+    assert o.trusted == frozenset({"10.0.0.2:5800", "h:5801"}) and o.secret == b"abc"
+    for bad, why in [
+        ({"nope": 1}, "unknown kvpush option"),
+        ({"lease_s": "soon"}, "is not a float"),
+        ({"side_channel_port": 70000}, "out of range"),
+        ({"watchdog_s": 0}, "must be > 0"),
+        ({"descriptor_mode": "fast"}, "descriptor_mode"),
+        ({"trusted_decoders": "no-port"}, "not host:port"),
+        ({"shared_secret": "x"}, "unknown kvpush option"),  # secrets come from the environment
+    ]:
+        with pytest.raises(ConfigError, match=why):
+            ConnectorOptions.parse(bad, env={})
+
+
+@dataclass
+class FakeRequest:
+    request_id: str
+    kv_transfer_params: dict[str, Any] | None
+    prompt_token_ids: list[int] = field(default_factory=lambda: list(range(300)))
+    status: str = "FINISHED_LENGTH_CAPPED"
+
+
+def sides() -> tuple[SchedulerSide, SchedulerSide]:
+    opts = ConnectorOptions.parse({}, env={})
+    return SchedulerSide("P", opts, True, False, 1), SchedulerSide("D", opts, False, True, 1)
+
+
+def test_decoder_registers_the_blocks_of_external_tokens_once() -> None:
+    _, d = sides()
+    params = {
+        "do_remote_prefill": True,
+        "transfer_id": "t1",
+        "remote_host": "127.0.0.1",
+        "remote_port": 5700,
+        "remote_tp_size": 1,
+    }
+    req = FakeRequest("cmpl-x-0-abcdef12", params)
+    assert d.get_num_new_matched_tokens(req, 0) == (300, True)
+    d.update_state_after_alloc(req, ([7, 8, 9],), 300, block_size=128)
+    meta = d.sched.build_meta()
+    (reg,) = meta.registrations
+    assert reg.block_ids == [[7, 8, 9]] and reg.transfer_id == "t1" and reg.remote_port == 5700
+    # The engine calls it again once the KV arrived: nothing new.
+    d.update_state_after_alloc(req, ([7, 8, 9],), 0, block_size=128)
+    assert d.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert not d.sched.build_meta().registrations
+
+
+def test_decoder_rejects_params_without_side_channel() -> None:
+    _, d = sides()
+    req = FakeRequest("r1", {"do_remote_prefill": True})
+    d.update_state_after_alloc(req, ([1],), 10, block_size=128)
+    assert "side channel" in d.sched.build_meta().rejected["r1"]
+
+
+def test_prefiller_holds_blocks_and_returns_its_coordinates() -> None:
+    p, _ = sides()
+    req = FakeRequest("r1", {"do_remote_decode": True, "transfer_id": "t1"})
+    held, params = p.request_finished(req, [4, 5])
+    assert held and params is not None and params["transfer_id"] == "t1"
+    assert params["remote_port"] == 5600 and params["do_remote_prefill"] is True
+    assert p.sched.build_meta().finished[0].block_ids == [[4, 5]]
+    p.update({"r1"}, set(), None)
+    assert not p.sched.has_pending_push_work()
+    aborted = FakeRequest("r2", {"do_remote_decode": True}, status="FINISHED_ABORTED")
+    assert p.request_finished(aborted, [1]) == (False, None)
+
+
+def test_decoder_abort_keeps_blocks_until_released() -> None:
+    _, d = sides()
+    params = {"do_remote_prefill": True, "remote_host": "h", "remote_port": 1}
+    req = FakeRequest("r1", params)
+    d.update_state_after_alloc(req, ([3],), 100, block_size=128)
+    d.sched.build_meta()
+    assert d.request_finished(req, [3]) == (True, None)
+    assert d.sched.build_meta().cancels == ["r1"]
+
+    @dataclass
+    class Meta:
+        released: set[str]
+
+    d.update(set(), {"r1"}, Meta({"r1"}))
+    assert not d.sched.has_pending_push_work()
