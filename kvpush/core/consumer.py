@@ -82,39 +82,49 @@ class Consumer:
 
     def _on_registration(self, r: RecvRegistration, replay: tuple[int, Future[Any]] | None) -> None:
         if replay is None:
-            if r.request_id in self.recvs:
-                log.warning("request %s registered twice; ignoring the second", r.request_id)
-                return
-            t = RecvTransfer(r)
-            self.recvs[r.request_id] = t
-            transition(t, State.REGISTERED, t.name)
-            try:
-                validate_block_ids(self.w.layout, r.block_ids)
-            except LayoutError as e:
-                self._end(t, State.FAILED, "failed", f"bad local block ids: {e}")
-                return
-        else:
-            t_or_none = self.recvs.get(r.request_id)
-            if (
-                t_or_none is None
-                or t_or_none.reg is not r
-                or t_or_none.state is not State.REGISTERED
-            ):
-                return  # cancelled, expired or already sent while the handshake ran
-            t = t_or_none
-            try:
-                self.w.load_peer(r.remote_host, replay[0], replay[1])
-            except (HandshakeError, TransportError) as e:
-                self.w.stats["handshake_failed"] += 1
-                self._end(t, State.FAILED, "failed", f"handshake with P failed: {e}")
-                return
-        # Handshake with every P rank at once; come back when each one is ready.
+            self._start(r)
+            return
+        t = self.recvs.get(r.request_id)
+        if t is None or t.reg is not r or t.state is not State.REGISTERED:
+            return  # cancelled, expired or already sent while the handshake ran
+        try:
+            self.w.load_peer(r.remote_host, replay[0], replay[1])
+        except (HandshakeError, TransportError) as e:
+            self.w.stats["handshake_failed"] += 1
+            self._end(t, State.FAILED, "failed", f"handshake with P failed: {e}")
+            return
+        self._try_send(t, recheck=False)
+
+    def _start(self, r: RecvRegistration) -> None:
+        if r.request_id in self.recvs:
+            log.warning("request %s registered twice; ignoring the second", r.request_id)
+            return
+        t = RecvTransfer(r)
+        self.recvs[r.request_id] = t
+        transition(t, State.REGISTERED, t.name)
+        try:
+            validate_block_ids(self.w.layout, r.block_ids)
+        except LayoutError as e:
+            self._end(t, State.FAILED, "failed", f"bad local block ids: {e}")
+            return
+        self._try_send(t, recheck=True)
+
+    def _try_send(self, t: RecvTransfer, recheck: bool) -> None:
+        """Send PUSH_REG to every P rank once all are connected (handshakes run at once)."""
+        r = t.reg
         ranks = self._p_ranks(r)
         peers = [
             self.w.ensure_peer(r.remote_host, port, self._replay(r, port)) for port, _ in ranks
         ]
         ready = [p for p in peers if p is not None]
         if len(ready) < len(peers):
+            return
+        stale = [p for p in ready if self.w.silent(p) and not self._in_use(p.agent)]
+        if recheck and stale:
+            # Silent P ranks may have restarted as new agents: handshake again first.
+            for p in stale:
+                self.w.forget_peer(p.agent)
+            self._try_send(t, recheck=False)
             return
         try:
             for peer in ready:
@@ -132,6 +142,11 @@ class Consumer:
         t.agents = [p.agent for p in ready]
         t.sources = [p.agent for p, (_, src) in zip(ready, ranks, strict=True) if src]
         transition(t, State.AWAITING, t.name, f"registered with {len(t.agents)} P ranks")
+
+    def _in_use(self, agent: str) -> bool:
+        return any(
+            agent in t.agents for t in self.recvs.values() if t.state is not State.REGISTERED
+        )
 
     def _replay(self, r: RecvRegistration, port: int) -> Callable[[Future[Any]], None]:
         return lambda f: self.reg_send_inbox.put(("reg", r, (port, f)))

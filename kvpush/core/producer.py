@@ -71,6 +71,7 @@ class PushTransfer:
     sender: str = ""
     handle: Any = None
     cancelled: bool = False  # D cancelled while the WRITE was in flight
+    rechecked: bool = False  # the decoder's address was handshaken again (restart)
     staged_at: float = field(default_factory=time.monotonic)
     preq: PRequest | None = None
 
@@ -307,6 +308,12 @@ class Producer:
             transition(t, State.DEFERRED, t.name, "waiting for handshake with D")
             return
         if peer.agent != t.sender:
+            if not t.rechecked and t.sender not in self.w.peers_by_agent:
+                # The decoder at that address may have restarted as a new agent: ask again.
+                t.rechecked = True
+                self.w.forget_peer(peer.agent)
+                self._push(t)
+                return
             self.w.stats["reg_wrong_sender"] += 1
             self._fail(t, peer, f"registration sent by {t.sender}, not by {peer.agent}")
             return

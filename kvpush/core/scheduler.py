@@ -11,6 +11,7 @@ keeps its blocks until the worker reports them ``released``.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass
 
@@ -47,6 +48,8 @@ class PushScheduler:
         self._aborted: set[str] = set()
         self._expired: set[str] = set()
         self._rejected: dict[str, str] = {}
+        # No lease or watchdog runs out before this: build_meta scans only past it.
+        self._next_deadline = math.inf
 
     # ---- P -------------------------------------------------------------------------------
 
@@ -63,6 +66,7 @@ class PushScheduler:
             return True
         now = time.monotonic() if now is None else now
         self._leases[request_id] = now + self.config.lease_s
+        self._next_deadline = min(self._next_deadline, now + self.config.lease_s)
         self._held[request_id] = sum(len(g) for g in block_ids)
         self._new_finished.append(StagedBlocks(request_id, block_ids, transfer_id))
         return True
@@ -76,6 +80,7 @@ class PushScheduler:
             return
         now = time.monotonic() if now is None else now
         self._watchdogs[reg.request_id] = now + self.config.watchdog_s
+        self._next_deadline = min(self._next_deadline, now + self.config.watchdog_s)
         self._new_regs.append(reg)
 
     def reject(self, request_id: str, reason: str) -> None:
@@ -109,6 +114,8 @@ class PushScheduler:
         )
         self._new_regs, self._new_cancels, self._new_finished = [], [], []
         self._rejected = {}
+        if now < self._next_deadline:  # nothing can have run out: no O(requests) scan
+            return meta
         for rid, deadline in list(self._leases.items()):
             if deadline <= now and rid not in self._evicting:
                 log.warning("lease of request %s expired; evicting its push", rid)
@@ -120,6 +127,10 @@ class PushScheduler:
                 del self._watchdogs[rid]
                 self._expired.add(rid)
                 meta.expired.append(rid)
+        self._next_deadline = min(
+            min((d for r, d in self._leases.items() if r not in self._evicting), default=math.inf),
+            min(self._watchdogs.values(), default=math.inf),
+        )
         return meta
 
     def update(self, out: WorkerOutput, now: float | None = None) -> WorkerOutput:
@@ -159,6 +170,9 @@ class PushScheduler:
             if rid in self._watchdogs:
                 self._watchdogs[rid] = now + self.config.watchdog_s
                 kept.renewed.add(rid)
+        if kept.renewed:  # (renewals move deadlines later, unless a caller's clock went back)
+            cfg = self.config
+            self._next_deadline = min(self._next_deadline, now + min(cfg.lease_s, cfg.watchdog_s))
         return kept
 
     def has_pending_push_work(self) -> bool:

@@ -92,12 +92,16 @@ class PushWorker:
         self._results: queue.SimpleQueue[tuple[str, str, str]] = queue.SimpleQueue()
         self.peers: dict[PeerKey, Peer] = {}
         self.peers_by_agent: dict[str, Peer] = {}
+        self.heard: dict[str, float] = {}  # agent -> when we last received anything from it
         self._hs_futures: dict[PeerKey, Future[AgentInfo]] = {}
         self._executor = ThreadPoolExecutor(config.handshake_workers, "kvpush-handshake")
         self.producer = Producer(self)
         self.consumer = Consumer(self)
         self._poll_s = config.poll_interval_s
         self._next_timers = 0.0
+        # Set by the writer while nothing is outstanding (it sleeps idle_poll_s): steps
+        # then need not wake it, new work comes through start_step, which always does.
+        self._writer_idle = False
         self._server = SideChannelServer(config.host, config.port, self.info, config.shared_secret)
         self._thread = threading.Thread(target=self._run, name="kvpush-writer", daemon=True)
         self._thread.start()
@@ -107,6 +111,8 @@ class PushWorker:
     def start_step(self, meta: StepMeta) -> None:
         """Hand the writer this step's new work (the design's ``start_load_kv``)."""
         self._check_alive()
+        if not meta:
+            return
         for reg in meta.registrations:
             self.consumer.reg_send_inbox.put(("reg", reg, None))
         for rid in meta.cancels:
@@ -119,18 +125,15 @@ class PushWorker:
             self.producer.evict_finished_inbox.put(rid)
         for rid, reason in meta.rejected.items():
             self.emit("failed", rid, reason)
-        if meta:
-            self._wake.set()
+        self._wake.set()
 
     def get_finished(self) -> WorkerOutput:
-        """Collect what finished since the last call; always wakes the writer to poll."""
+        """Collect what finished since the last call; wakes the writer to poll unless idle."""
         self._check_alive()
         out = WorkerOutput()
-        while True:
-            try:
-                kind, rid, reason = self._results.get_nowait()
-            except queue.Empty:
-                break
+        results = self._results
+        while not results.empty():  # the engine thread is the only consumer
+            kind, rid, reason = results.get_nowait()
             if kind == "sent":
                 out.finished_sending.add(rid)
             elif kind == "recv":
@@ -141,7 +144,8 @@ class PushWorker:
                 out.released.add(rid)
             elif kind == "renewed":
                 out.renewed.add(rid)
-        self._wake.set()
+        if not self._writer_idle:
+            self._wake.set()
         return out
 
     def shutdown(self) -> None:
@@ -209,8 +213,14 @@ class PushWorker:
             peer.prepped = self.transport.prep(info.agent_name, block_descs(info.layout))
         self.peers[key] = peer
         self.peers_by_agent[info.agent_name] = peer
+        self.heard[info.agent_name] = time.monotonic()  # the handshake is a sign of life
         log.info("connected to %s (%s:%d)", info.agent_name, host, port)
         return peer
+
+    def silent(self, peer: Peer) -> bool:
+        """True when nothing came from the peer for a while: it may have restarted."""
+        quiet = time.monotonic() - self.heard.get(peer.agent, 0.0)
+        return quiet > max(3 * self.config.heartbeat_interval_s, 2.0)
 
     def pairs_to(self, peer: Peer) -> list[RegionPair]:
         """How our regions map into the peer's (computed once); raises LayoutError."""
@@ -234,7 +244,8 @@ class PushWorker:
         if peer.prepped is not None:
             self.transport.release_prepped(peer.prepped)
         self.transport.remove_peer(agent)
-        log.warning("peer %s forgotten after a transport failure", agent)
+        self.heard.pop(agent, None)
+        log.info("peer %s forgotten", agent)
 
     def notify(self, agent: str, msg: wire.Message) -> bool:
         """Send a notification; False (and the peer forgotten if dead) on failure."""
@@ -299,12 +310,14 @@ class PushWorker:
 
     def _timeout(self) -> float:
         cfg = self.config
+        idle = False
         if self.producer.has_unmatched():
             wait = cfg.match_poll_s
         elif self.producer.writing or self.consumer.outstanding() or self._hs_futures:
             wait = self._poll_s
         else:
-            wait = cfg.idle_poll_s
+            wait, idle = cfg.idle_poll_s, True
+        self._writer_idle = idle
         return max(0.0, min(wait, self._next_timers - time.monotonic()))
 
     def _poll_notifs(self) -> int:
@@ -313,7 +326,9 @@ class PushWorker:
         except TransportError as e:
             log.warning("polling notifications failed: %s", e)
             return 0
+        now = time.monotonic()
         for sender, raw in notifs:
+            self.heard[sender] = now
             try:
                 msg = wire.decode(raw)
             except WireError as e:

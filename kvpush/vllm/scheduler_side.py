@@ -120,6 +120,8 @@ class SchedulerSide:
 
     def update(self, sending: set[str], recving: set[str], worker_meta: Any) -> None:
         """Apply one step's aggregated worker output."""
+        if not sending and not recving and worker_meta is None:
+            return  # most steps: nothing happened
         released = set(getattr(worker_meta, "released", ()) or ())
         failed = dict(getattr(worker_meta, "failed", {}) or {})
         out = WorkerOutput(

@@ -91,6 +91,7 @@ class WorkerSide:
         self.tp_size = tp_size
         self.worker: PushWorker | None = None
         self._reported: Counter[str] = Counter()
+        self._stats_total = 0
         self._meta = StepReport()
 
     def register(
@@ -134,6 +135,8 @@ class WorkerSide:
         if self.worker is None:
             return StepReport()
         out = self.worker.get_finished()
+        if not out:  # most steps: nothing to report
+            return StepReport()
         report = StepReport(
             finished_sending=out.finished_sending,
             finished_recving=out.finished_recving | out.released | set(out.failed_recving),
@@ -155,6 +158,10 @@ class WorkerSide:
         if self.worker is None:
             return {}
         s = self.worker.stats
+        total = s.total()
+        if total == self._stats_total:  # counters only grow: nothing changed since last time
+            return {}
+        self._stats_total = total
         now = {
             "bytes_sent": s["write_bytes"],
             "bytes_received": s["recv_bytes"],
