@@ -66,7 +66,9 @@ class VllmDemoOptions:
 class Cluster:
     """P and D with kvpush plus the router; a context manager that always cleans up."""
 
-    def __init__(self, model: str, log_dir: str, **extra: Any) -> None:
+    def __init__(
+        self, model: str, log_dir: str, router_args: list[str] | None = None, **extra: Any
+    ) -> None:
         self.side_port = free_port()
         self.p = VllmServer(
             ServerSpec(
@@ -86,7 +88,9 @@ class Cluster:
                 log_dir=log_dir,
             )
         )
-        self.router = RouterProc(self.p.url, self.d.url, f"127.0.0.1:{self.side_port}", log_dir)
+        self.router = RouterProc(
+            self.p.url, self.d.url, f"127.0.0.1:{self.side_port}", log_dir, extra=router_args
+        )
 
     def __enter__(self) -> Cluster:
         try:
