@@ -1,0 +1,122 @@
+"""The core's push over torch tensors in two processes: VRAM when CUDA is present.
+
+Skipped without torch (CI). Each case runs on ("cpu", "cpu") wherever torch and
+NIXL are installed (DRAM, the torch copy backend), on ("cuda:0", "cuda:0") with
+one GPU and on ("cuda:0", "cuda:1") with two. D checks every byte on its device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("nixl")
+
+from kvpush.gpu.engine import GpuSpec  # noqa: E402
+from kvpush.gpu.process import GpuProcess  # noqa: E402
+from tests.conftest import free_port  # noqa: E402
+
+pytestmark = pytest.mark.integration
+
+PAIRS = [("cpu", "cpu")]
+if torch.cuda.is_available():
+    PAIRS.append(("cuda:0", "cuda:0"))
+    if torch.cuda.device_count() >= 2:
+        PAIRS.append(("cuda:0", "cuda:1"))
+
+FAST = {"poll_interval_s": 5e-5, "max_poll_interval_s": 5e-4, "heartbeat_interval_s": 0.2}
+BLOCK = 16384
+REGIONS = 4
+
+
+class Pair:
+    def __init__(self, p_dev: str, d_dev: str) -> None:
+        self.p, self.d = GpuProcess(p_dev), GpuProcess(d_dev)
+        self.n = 0
+
+    def setup(self, **kw: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+        self.p_port, self.d_port = free_port(), free_port()
+        common = {"regions": REGIONS, "num_blocks": 512, "block_bytes": BLOCK, "worker": FAST}
+        common.update(kw)
+        p = self.p.call("setup", GpuSpec("P", self.p_port, device=self.p.device, seed=1, **common))
+        d = self.d.call("setup", GpuSpec("D", self.d_port, device=self.d.device, seed=2, **common))
+        return p, d
+
+    def push(self, n_blocks: int) -> str:
+        self.n += 1
+        rid = f"r{self.n}"
+        self.d.send("register", f"{rid}-d", rid, n_blocks, "P", "127.0.0.1", self.p_port, None)
+        self.p.send("prefill", f"{rid}-p", rid, n_blocks, None)
+        return rid
+
+    def check(self, rid: str, n_blocks: int) -> None:
+        ev = self.d.wait_for(lambda e: e[0] in ("recv", "failed") and e[1] == f"{rid}-d", 60)
+        assert ev[0] == "recv", ev
+        assert ev[2]["bad_regions"] == 0, ev
+        assert ev[2]["bytes"] == n_blocks * REGIONS * BLOCK
+        self.p.wait_for(lambda e: e[0] == "sent" and e[1] == f"{rid}-p", 30)
+
+    def stop(self) -> None:
+        self.p.stop()
+        self.d.stop()
+
+
+@pytest.fixture(scope="module", params=PAIRS, ids=lambda p: f"{p[0]}->{p[1]}")
+def pair(request: pytest.FixtureRequest) -> Iterator[Pair]:
+    pr = Pair(*request.param)
+    yield pr
+    pr.stop()
+
+
+SIZES = [1, 3, 17, 64, 200]
+
+
+def test_direct_writes_verified(pair: Pair) -> None:
+    pair.setup()
+    rids = [(pair.push(n), n) for n in SIZES]
+    for rid, n in rids:
+        pair.check(rid, n)
+    st = pair.p.call("stats")
+    assert st["writes"] == len(SIZES) and st["writes_staged"] == 0
+    assert st["write_descs"] > len(SIZES) * REGIONS  # scattered: many runs per request
+
+
+def test_staged_writes_one_descriptor_each(pair: Pair) -> None:
+    p, _ = pair.setup(staging_bytes=64 << 20, min_direct_run=1 << 40)
+    rids = [(pair.push(n), n) for n in SIZES]
+    for rid, n in rids:
+        pair.check(rid, n)
+    st = pair.p.call("stats")
+    assert st["writes"] == st["writes_staged"] == len(SIZES), (st, p)
+    assert st["write_descs"] == len(SIZES)
+    d = pair.d.call("stats")
+    assert d["staging_unstaged"] == len(SIZES) and d["staging_unstaged_bytes"] == sum(
+        n * REGIONS * BLOCK for n in SIZES
+    )
+
+
+def test_bounded_staging_many_concurrent(pair: Pair) -> None:
+    # 2 MiB of staging holds a few requests at a time: the rest go direct.
+    pair.setup(staging_bytes=2 << 20, min_direct_run=1 << 40, num_blocks=2048)
+    sizes = [1 + (i * 7) % 40 for i in range(40)]
+    rids = [(pair.push(n), n) for n in sizes]
+    for rid, n in rids:
+        pair.check(rid, n)
+    st = pair.p.call("stats")
+    assert st["writes"] == len(sizes)
+    assert 0 < st["writes_staged"] < len(sizes), st
+    d = pair.d.call("stats")
+    assert d["staging_offered"] + d.get("staging_offer_no_room", 0) == len(sizes)
+
+
+def test_long_runs_go_direct(pair: Pair) -> None:
+    # Contiguous blocks: one run per region, longer than min_direct_run: no staging.
+    pair.setup(staging_bytes=64 << 20, min_direct_run=2 * BLOCK, scattered=False)
+    rids = [(pair.push(n), n) for n in (4, 8)]
+    for rid, n in rids:
+        pair.check(rid, n)
+    st = pair.p.call("stats")
+    assert st["writes_staged"] == 0 and st["staging_direct_long_runs"] == 2, st
