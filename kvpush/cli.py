@@ -14,6 +14,9 @@ _COMMANDS = [
     "kvpush.sim.demo_cli",
     "kvpush.tiny_model",
     "kvpush.router.cli",
+    "kvpush.sim.faults_cli",
+    "kvpush.sim.soak_cli",
+    "kvpush.sim.fuzz_cli",
 ]
 
 

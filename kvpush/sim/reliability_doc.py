@@ -1,0 +1,193 @@
+"""docs/reliability.md, written from the last run of `kvpush faults`, `soak` and `fuzz`.
+
+Each command stores its result under its own key of ``docs/reliability.json`` and the
+page is rendered again from all three, so every section shows its own last run.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import platform
+import sys
+from pathlib import Path
+from typing import Any
+
+import kvpush
+
+
+def default_doc() -> Path:
+    """docs/reliability.md of the source tree kvpush runs from, else of the current directory."""
+    tree = Path(kvpush.__file__).resolve().parents[1] / "docs"
+    return (tree if tree.is_dir() else Path.cwd() / "docs") / "reliability.md"
+
+
+def record(section: str, result: dict[str, Any], doc: Path) -> None:
+    """Store ``result`` as the last run of ``section`` and render the page again."""
+    store = doc.with_suffix(".json")
+    data: dict[str, Any] = json.loads(store.read_text()) if store.exists() else {}
+    data[section] = {
+        "when": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "command": "kvpush " + " ".join(sys.argv[1:]) if sys.argv[1:] else section,
+        "machine": f"{platform.machine()}, {_cpus()} CPUs, Python {platform.python_version()}",
+        "result": result,
+    }
+    doc.parent.mkdir(parents=True, exist_ok=True)
+    store.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+    doc.write_text(render(data))
+
+
+def _cpus() -> int:
+    import os
+
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def _run_line(entry: dict[str, Any]) -> str:
+    return f"Last run {entry['when']} on {entry['machine']}: `{entry['command']}`."
+
+
+def render(data: dict[str, Any]) -> str:
+    out = [
+        "# Reliability",
+        "",
+        "Written by `kvpush faults`, `kvpush soak` and `kvpush fuzz` from their last runs",
+        "(the data is in `reliability.json` next to this page); do not edit by hand.",
+        "",
+    ]
+    out += _faults(data.get("faults"))
+    out += _soak(data.get("soak"))
+    out += _fuzz(data.get("fuzz"))
+    out += LIMITS
+    return "\n".join(out) + "\n"
+
+
+def _faults(entry: dict[str, Any] | None) -> list[str]:
+    out = ["## Fault matrix", ""]
+    if entry is None:
+        return out + ["Not run yet: `kvpush faults`.", ""]
+    r = entry["result"]
+    o = r["options"]
+    out += [
+        _run_line(entry),
+        f"**{r['passed']} of {r['cases']} cases as expected** in {r['seconds']} s.",
+        "",
+        "One P and one D process with real NIXL agents (UCX). Each case injects one fault into",
+        "one request, or SIGKILLs P or D at a protocol point, and checks: D's outcome is the",
+        "expected one; every surviving side holds no blocks within the bound (lease "
+        f"{o['lease_s']} s, watchdog {o['watchdog_s']} s, plus {o['slack_s']} s slack); no",
+        "writer error; and the survivor serves: a replacement is started for a dead peer and",
+        "two more requests are pushed and verified byte for byte. *Freed* is the time from",
+        "the fault until each side held no blocks (the case's own blocks included).",
+        "",
+        "| case | protocol point | fault | dies | expected (D) | outcome (D) | P's WRITE "
+        "| freed P / D (s) | bound (s) | survivor serves | ok |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in r["rows"]:
+        if "error" in row:
+            out.append(
+                f"| {row['case']} | {row['point']} | {row['fault']} | | | "
+                f"error: {row['error']} | | | | | **no** |"
+            )
+            continue
+        freed = row["freed_s"]
+        f = " / ".join("-" if s not in freed else str(freed[s]) for s in ("P", "D"))
+        expected = row["expected"].replace("|", " or ")  # a bare | would split the cell
+        out.append(
+            f"| {row['case']} | {row['point']} | {row['fault']} | {row['victim']} "
+            f"| {expected} | {row['outcome']} | {row['write']} | {f} | {row['bound_s']} "
+            f"| {'yes' if row['survivor_ok'] else '**no**'} | {'yes' if row['ok'] else '**no**'} |"
+        )
+    return out + [""]
+
+
+def _soak(entry: dict[str, Any] | None) -> list[str]:
+    out = ["## Soak", ""]
+    if entry is None:
+        return out + ["Not run yet: `kvpush soak --requests 10000 --fault-rate 0.05`.", ""]
+    r = entry["result"]
+    o = r["options"]
+    out += [
+        _run_line(entry),
+        "",
+        f"{r['requests']} requests between a P and a D process over real NIXL, "
+        f"{o['window']} in flight, 1-{o['max_blocks']} blocks each, a fraction "
+        f"{r['fault_rate']} of them faulted (lease {o['lease_s']} s, watchdog "
+        f"{o['watchdog_s']} s). Hung: no outcome on D, or P's blocks not freed, within "
+        f"{o['request_timeout_s']} s. Leaked: blocks still held on P and D after settling. "
+        "Crashes: writer errors, dead writer threads, dead processes.",
+        "",
+        "| requests | completed | failed | released (aborted) | hung | leaked blocks | crashes "
+        "| corrupted | completion rate | unfaulted completion rate | requests/s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+        f"| {r['requests']} | {r['completed']} | {r['failed']} | {r['released']} | {r['hung']} "
+        f"| {r['leaked_blocks']} | {r['crashes']} | {r['corrupted']} | {r['completion_rate']} "
+        f"| {r['clean_completion_rate']} | {r['requests_per_s']} |",
+        "",
+        "Faulted requests by fault (" + f"{r['faulted_requests']} in all, "
+        f"{r['faulted_completed']} of them completed anyway): "
+        + ", ".join(f"{k} {v}" for k, v in r["faults"].items())
+        + ".",
+        "",
+        "Why D's receives failed: "
+        + (", ".join(f"{k} ({v})" for k, v in r["failure_reasons"].items()) or "none")
+        + ".",
+        "",
+    ]
+    return out
+
+
+def _fuzz(entry: dict[str, Any] | None) -> list[str]:
+    out = ["## Fuzz", ""]
+    if entry is None:
+        return out + ["Not run yet: `kvpush fuzz --inputs 100000`.", ""]
+    r = entry["result"]
+    out += [
+        _run_line(entry),
+        "",
+        "Hostile notifications delivered into the inboxes of a live P and D worker (in-memory",
+        "transport) under D's, P's or made-up sender names; every registration is invalid in",
+        "at least one way (bit-flipped ones, which a flip may mend, come from a stranger), so",
+        "none may be written. *Rejected*: the strict decoder refused it. *Ignored*: decoded, then",
+        "dropped or answered by a handler (duplicate, invalid, wrong sender, unknown request…).",
+        "",
+        "| inputs | rejected | accepted | ignored by handlers | crashes | writes caused "
+        "| writer errors | writers alive | inputs/s |",
+        "|---|---|---|---|---|---|---|---|---|",
+        f"| {r['inputs']} | {r['rejected']} | {r['accepted']} | {r['ignored']} | {r['crashes']} "
+        f"| {r['writes_caused']} | {r['writer_errors']} | {r['writers_alive']} "
+        f"| {r['inputs_per_s']} |",
+        "",
+        "Inputs by kind: " + ", ".join(f"{k} {v}" for k, v in r["categories"].items()) + ".",
+        "",
+        "How registrations were broken (1-3 ways each): "
+        + ", ".join(f"{k} {v}" for k, v in r["registration_breaks"].items())
+        + ".",
+        "",
+        "Handled: " + (", ".join(f"{k} {v}" for k, v in r["handled"].items()) or "-") + ".",
+        "",
+    ]
+    return out
+
+
+LIMITS = [
+    "## Known limits",
+    "",
+    "- **Watchdog expiry frees D's blocks without P's confirmation.** If P is alive but its",
+    "  heartbeats are lost, D's watchdog fails the receive and frees the blocks at once; a",
+    "  WRITE that P starts before D's `PUSH_CANCEL` reaches it can land in those freed blocks.",
+    "  The matrix's `drop_heartbeats` case orders the prefill after the cancel arrived; the",
+    "  race itself is by design (a dead P must not pin D's blocks).",
+    "- **A failed handshake fails every push waiting on it.** In the soak, `peer_reset` makes P",
+    "  forget D and fail its next handshake; requests deferred behind it fail on D's",
+    "  watchdog. That is why the unfaulted completion rate can be below 1.",
+    "- **Registrations are bounded in time, not in number.** P keeps a registration it cannot",
+    "  match for `registration_ttl_s` whoever sent it, and starts a handshake with the address",
+    "  it names; trusting only known decoders is issue 6 part 5.",
+    "- **Notifications are not authenticated.** A completion or `PUSH_FAIL` under P's agent",
+    "  name is believed: the fuzzer sends some for D's live receives, and D ends them (done",
+    "  without data, or failed; a failed one frees blocks P may still hold a registration",
+    "  for). No crash and no WRITE follow, but only part 5's trust work can close this.",
+    "",
+]
