@@ -131,8 +131,8 @@ def run_vllm_demo(opts: VllmDemoOptions, log: Any = print) -> dict[str, Any]:
             f"{opts.concurrency} at a time, both legs at once"
         )
         replies = run_batch(c.router.url, model, prompts, opts, stream=True)
-        pushed = metric(c.d.url, "vllm:kvpush_bytes_received_total")
-        received = metric(c.d.url, "vllm:kvpush_pushes_received_total")
+        pushed = metric(c.d.url, "vllm:kvpush_bytes_received_total") - pushed0
+        received = metric(c.d.url, "vllm:kvpush_pushes_received_total") - received0
     summary: dict[str, Any] = {
         "requests": len(prompts),
         "completed": sum(r.ok for r in replies),
