@@ -126,10 +126,16 @@ def run_vllm_demo(opts: VllmDemoOptions, log: Any = print) -> dict[str, Any]:
     prompts = make_prompts(opts.requests, opts.seed)
     log(f"starting prefiller, decoder and router (logs in {workdir}) ...")
     with Cluster(model, workdir) as c:
+        # One warm-up request: the first push pays both handshakes and NIXL's connection set-up.
+        warm = request(c.router.url, model, prompts[0], max_tokens=1)
+        if not warm.ok:
+            raise RuntimeError(f"warm-up request failed: {warm.error}")
         log(
             f"router at {c.router.url}; sending {len(prompts)} prompts, "
             f"{opts.concurrency} at a time, both legs at once"
         )
+        pushed0 = metric(c.d.url, "vllm:kvpush_bytes_received_total")
+        received0 = metric(c.d.url, "vllm:kvpush_pushes_received_total")
         replies = run_batch(c.router.url, model, prompts, opts, stream=True)
         pushed = metric(c.d.url, "vllm:kvpush_bytes_received_total") - pushed0
         received = metric(c.d.url, "vllm:kvpush_pushes_received_total") - received0
