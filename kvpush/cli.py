@@ -17,6 +17,7 @@ _COMMANDS = [
     "kvpush.sim.faults_cli",
     "kvpush.sim.soak_cli",
     "kvpush.sim.fuzz_cli",
+    "kvpush.bench.cli",
 ]
 
 

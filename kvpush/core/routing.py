@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -174,19 +175,35 @@ def build_pair_descs(
     dst_groups: Sequence[Sequence[int]],
 ) -> tuple[np.ndarray, np.ndarray]:
     """Nx3 (address, length, device) arrays: P's blocks ``src_groups`` into D's ``dst_groups``."""
-    validate_block_ids(p, src_groups)
-    validate_block_ids(d, dst_groups)
+    # Id lists become arrays once here, not again per region below.
+    src_arrays: list[Any] = [np.asarray(g, dtype=np.int64) for g in src_groups]
+    dst_arrays: list[Any] = [np.asarray(g, dtype=np.int64) for g in dst_groups]
+    validate_block_ids(p, src_arrays)
+    validate_block_ids(d, dst_arrays)
     src_parts, dst_parts = [], []
     for pair in pairs:
         lr, rr = p.regions[pair.src], d.regions[pair.dst]
-        s_ids, d_ids = src_groups[lr.group], dst_groups[rr.group]
+        s_ids, d_ids = src_arrays[lr.group], dst_arrays[rr.group]
         if len(s_ids) != len(d_ids):
             raise LayoutError(
                 f"region {lr.name}: {len(s_ids)} source blocks, {len(d_ids)} destination"
             )
         if not len(s_ids):
             continue
-        if pair.whole:
+        if pair.whole and (lr.block_len, p.physical_per_logical) == (
+            rr.block_len,
+            d.physical_per_logical,
+        ):
+            # Physical blocks pair one to one: merge the pieces contiguous on both sides
+            # (the same descriptors as pair_extents, without its sorts).
+            ps = expand(s_ids, p.physical_per_logical)
+            pd = expand(d_ids, d.physical_per_logical)
+            sa, da, ln = coalesce(
+                lr.base_addr + ps * lr.block_len,
+                rr.base_addr + pd * rr.block_len,
+                np.full(ps.size, lr.block_len, dtype=np.int64),
+            )
+        elif pair.whole:
             sa, da, ln = pair_extents(
                 extents(lr, expand(s_ids, p.physical_per_logical)),
                 extents(rr, expand(d_ids, d.physical_per_logical)),

@@ -106,6 +106,9 @@ class PushScheduler:
 
     def build_meta(self, now: float | None = None) -> StepMeta:
         now = time.monotonic() if now is None else now
+        new = self._new_regs or self._new_cancels or self._new_finished or self._rejected
+        if not new and now < self._next_deadline:  # most steps: nothing to hand over
+            return StepMeta()
         meta = StepMeta(
             registrations=self._new_regs,
             cancels=self._new_cancels,

@@ -102,6 +102,7 @@ class PushWorker:
         # Set by the writer while nothing is outstanding (it sleeps idle_poll_s): steps
         # then need not wake it, new work comes through start_step, which always does.
         self._writer_idle = False
+        self._writer_running = True  # cleared by the writer thread as it exits
         self._server = SideChannelServer(config.host, config.port, self.info, config.shared_secret)
         self._thread = threading.Thread(target=self._run, name="kvpush-writer", daemon=True)
         self._thread.start()
@@ -110,9 +111,9 @@ class PushWorker:
 
     def start_step(self, meta: StepMeta) -> None:
         """Hand the writer this step's new work (the design's ``start_load_kv``)."""
-        self._check_alive()
         if not meta:
-            return
+            return  # (get_finished, called every step too, checks the writer is alive)
+        self._check_alive()
         for reg in meta.registrations:
             self.consumer.reg_send_inbox.put(("reg", reg, None))
         for rid in meta.cancels:
@@ -157,7 +158,8 @@ class PushWorker:
         self.transport.close()
 
     def _check_alive(self) -> None:
-        if not self._thread.is_alive() and not self._stop.is_set():
+        # A flag the writer clears as it exits: Thread.is_alive() takes a lock every step.
+        if not self._writer_running and not self._stop.is_set():
             raise KVPushError("kvpush writer thread is not running")
 
     # ---- shared services for producer and consumer (writer thread) -------------------------
@@ -279,14 +281,17 @@ class PushWorker:
     # ---- writer thread ---------------------------------------------------------------------
 
     def _run(self) -> None:
-        while not self._stop.is_set():
-            self._wake.wait(self._timeout())
-            self._wake.clear()
-            try:
-                self._tick()
-            except Exception:
-                self.stats["writer_errors"] += 1
-                log.exception("kvpush writer tick failed")
+        try:
+            while not self._stop.is_set():
+                self._wake.wait(self._timeout())
+                self._wake.clear()
+                try:
+                    self._tick()
+                except Exception:
+                    self.stats["writer_errors"] += 1
+                    log.exception("kvpush writer tick failed")
+        finally:
+            self._writer_running = False
 
     def _tick(self) -> None:
         p, c = self.producer, self.consumer

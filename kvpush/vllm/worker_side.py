@@ -150,15 +150,18 @@ class WorkerSide:
         return report
 
     def take_meta(self) -> StepReport | None:
-        meta, self._meta = self._meta, StepReport()
-        return meta if (meta.failed or meta.released or meta.renewed) else None
+        meta = self._meta
+        if not (meta.failed or meta.released or meta.renewed):
+            return None
+        self._meta = StepReport()
+        return meta
 
     def stats_delta(self) -> dict[str, int]:
         """Counters since the last call (what vLLM's stats pipeline wants)."""
         if self.worker is None:
             return {}
         s = self.worker.stats
-        total = s.total()
+        total = sum(s.values())
         if total == self._stats_total:  # counters only grow: nothing changed since last time
             return {}
         self._stats_total = total

@@ -1,0 +1,1 @@
+"""`kvpush bench`: kvpush against vLLM's own NIXL connectors, and its own cost (issue 5)."""

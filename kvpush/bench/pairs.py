@@ -1,0 +1,283 @@
+"""The three P/D pairs the engine-level benchmark compares, each driven as its proxy drives it.
+
+- ``kvpush``: kvpush's connector on both servers, kvpush's router in front; the router sends
+  the prefill leg and the decode leg at the same time (``transfer_id`` matching).
+- ``push``: vLLM's in-tree ``NixlPushConnector``, driven from this client: the prefill leg
+  (``max_tokens=1``, ``do_remote_decode``) and the streamed decode leg
+  (``do_remote_prefill``, ``remote_engine_id``, ``remote_request_id``, ``remote_host``,
+  ``remote_port``, ``tp_size``) sent at the same time with the same ``X-Request-Id``, as
+  the in-tree push scheduler matches P and D by request id. (Our router's
+  ``--decode-kv-extra`` cannot do it: vLLM 0.32 needs a per-request ``remote_request_id``
+  on the decode leg, and its engine dies without it.)
+- ``pull``: vLLM's in-tree ``NixlConnector``, driven from this client the way vLLM's
+  disaggregated proxy drives it: the prefill leg (``max_tokens=1``,
+  ``do_remote_decode``) first, then the streamed decode leg with the ``kv_transfer_params``
+  P returned, both with the same ``X-Request-Id``.
+
+No proxy process sits in front of the in-tree pairs, so they pay one HTTP hop less than
+kvpush, whose numbers include its router.
+
+Every server gets its own core for its OpenMP threads and ``--no-enable-prefix-caching``.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+import uuid
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+from kvpush.deploy.client import request
+from kvpush.deploy.servers import (
+    Proc,
+    RouterProc,
+    ServerSpec,
+    VllmServer,
+    free_port,
+    kvpush_config,
+    wait_healthy,
+)
+
+CONFIGS = ("kvpush", "push", "pull")
+LABELS = {
+    "kvpush": "kvpush (router, both legs at once)",
+    "push": "vLLM NixlPushConnector (client, both legs at once)",
+    "pull": "vLLM NixlConnector (client, prefill then decode)",
+}
+
+
+@dataclass
+class Sample:
+    """One client request: time to first token and to the last byte, from the client."""
+
+    ok: bool
+    ttft_s: float = 0.0
+    total_s: float = 0.0
+    prompt_tokens: int = 0
+    error: str = ""
+
+
+class Pair(ABC):
+    """A prefiller, a decoder and whatever sits in front of them; started and stopped whole."""
+
+    name: str = ""
+
+    def __init__(self, model: str, log_dir: str) -> None:
+        self.model = model
+        self.log_dir = log_dir
+        self.procs: list[Proc] = []
+
+    @abstractmethod
+    def _launch(self) -> list[Proc]:
+        """Start every process (not waiting for health)."""
+
+    @abstractmethod
+    def send(self, prompt: list[int], max_tokens: int, timeout: float) -> Sample:
+        """One request through the pair, timed from the client."""
+
+    def start(self, timeout: float = 300.0) -> None:
+        try:
+            self.procs = self._launch()
+            wait_healthy(self.procs, timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        for proc in reversed(self.procs):
+            proc.stop()
+        self.procs = []
+
+    def pids(self) -> list[int]:
+        return [p.popen.pid for p in self.procs if p.alive()]
+
+    def _nixl_env(self, side_port: int) -> dict[str, str]:
+        return {
+            "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+            "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_port),
+        }
+
+    def _server(self, name: str, kv: dict[str, Any], core: int, env: dict[str, str]) -> VllmServer:
+        spec = ServerSpec(name, self.model, kv_config=kv, core=core, env=env, log_dir=self.log_dir)
+        return VllmServer(spec)
+
+
+def _stream(
+    url: str,
+    model: str,
+    prompt: list[int],
+    max_tokens: int,
+    timeout: float,
+    headers: dict[str, str] | None = None,
+    extra: dict[str, Any] | None = None,
+) -> Sample:
+    body = {"ignore_eos": True, **(extra or {})}
+    r = request(
+        url,
+        model,
+        prompt,
+        max_tokens=max_tokens,
+        stream=True,
+        timeout=timeout,
+        headers=headers,
+        extra=body,
+    )
+    ok = r.ok and r.ttft_s > 0
+    return Sample(ok, r.ttft_s, r.total_s, r.prompt_tokens, r.error or ("" if ok else "no token"))
+
+
+class KvpushPair(Pair):
+    name = "kvpush"
+
+    def _launch(self) -> list[Proc]:
+        side = free_port()
+        p = self._server("prefill", kvpush_config("kv_producer", "prefill", side), 0, {})
+        d = self._server("decode", kvpush_config("kv_consumer", "decode", free_port()), 1, {})
+        self.router = RouterProc(p.url, d.url, f"127.0.0.1:{side}", self.log_dir)
+        return [p, d, self.router]
+
+    def send(self, prompt: list[int], max_tokens: int, timeout: float) -> Sample:
+        return _stream(self.router.url, self.model, prompt, max_tokens, timeout)
+
+
+def _in_tree(connector: str, role: str, engine_id: str) -> dict[str, Any]:
+    return {"kv_connector": connector, "kv_role": role, "engine_id": engine_id}
+
+
+class InTreePushPair(Pair):
+    name = "push"
+
+    def _launch(self) -> list[Proc]:
+        self.side = free_port()
+        conn = "NixlPushConnector"
+        self.p = self._server(
+            "push-prefill",
+            _in_tree(conn, "kv_producer", "push-prefill"),
+            0,
+            self._nixl_env(self.side),
+        )
+        self.d = self._server(
+            "push-decode",
+            _in_tree(conn, "kv_consumer", "push-decode"),
+            1,
+            self._nixl_env(free_port()),
+        )
+        return [self.p, self.d]
+
+    def send(self, prompt: list[int], max_tokens: int, timeout: float) -> Sample:
+        rid = uuid.uuid4().hex
+        headers = {"X-Request-Id": rid}
+        params = {
+            "do_remote_prefill": True,
+            "remote_engine_id": "push-prefill",
+            # P's engine id is cmpl-<X-Request-Id>-0-<random>; D cannot know the suffix
+            # (P matches registrations by the id without it), so it gets the base.
+            "remote_request_id": f"cmpl-{rid}-0",
+            "remote_host": "127.0.0.1",
+            "remote_port": self.side,
+            "tp_size": 1,
+        }
+        errors: list[str] = []
+
+        def prefill() -> None:
+            try:
+                _prefill_leg(self.p.url, self.model, prompt, headers, timeout)
+            except (urllib.error.URLError, OSError, ValueError, KeyError) as e:
+                errors.append(f"prefill: {e!r}")
+
+        leg = threading.Thread(target=prefill, daemon=True)
+        leg.start()
+        s = _stream(
+            self.d.url,
+            self.model,
+            prompt,
+            max_tokens,
+            timeout,
+            headers,
+            {"kv_transfer_params": params},
+        )
+        leg.join(timeout)
+        if errors and s.ok:
+            s.error = errors[0]  # the decode leg got its KV anyway; keep the sample
+        elif errors:
+            s.error = f"{s.error}; {errors[0]}"
+        return s
+
+
+class PullPair(Pair):
+    name = "pull"
+
+    def _launch(self) -> list[Proc]:
+        conn = "NixlConnector"
+        self.p = self._server(
+            "pull-prefill",
+            _in_tree(conn, "kv_producer", "pull-prefill"),
+            0,
+            self._nixl_env(free_port()),
+        )
+        self.d = self._server(
+            "pull-decode",
+            _in_tree(conn, "kv_consumer", "pull-decode"),
+            1,
+            self._nixl_env(free_port()),
+        )
+        return [self.p, self.d]
+
+    def send(self, prompt: list[int], max_tokens: int, timeout: float) -> Sample:
+        rid = uuid.uuid4().hex
+        headers = {"X-Request-Id": rid}
+        start = time.perf_counter()
+        try:
+            params = _prefill_leg(self.p.url, self.model, prompt, headers, timeout)
+        except (urllib.error.URLError, OSError, ValueError, KeyError) as e:
+            return Sample(False, total_s=time.perf_counter() - start, error=f"prefill: {e!r}")
+        gap = time.perf_counter() - start
+        s = _stream(
+            self.d.url,
+            self.model,
+            prompt,
+            max_tokens,
+            timeout,
+            headers,
+            {"kv_transfer_params": params},
+        )
+        s.ttft_s = gap + s.ttft_s if s.ok else 0.0
+        s.total_s += gap
+        return s
+
+
+def _prefill_leg(
+    url: str, model: str, prompt: list[int], headers: dict[str, str], timeout: float
+) -> dict[str, Any]:
+    """Pull's first leg: one token, no stream; returns the kv_transfer_params P hands back."""
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": 1,
+        "temperature": 0,
+        "stream": False,
+        "kv_transfer_params": {"do_remote_decode": True},
+    }
+    req = urllib.request.Request(
+        url + "/v1/completions",
+        json.dumps(body).encode(),
+        {"Content-Type": "application/json", **headers},
+    )
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        data = json.loads(resp.read())
+    params = data["kv_transfer_params"]
+    if not isinstance(params, dict):
+        raise ValueError(f"prefiller returned kv_transfer_params={params!r}")
+    return params
+
+
+def make_pair(name: str, model: str, log_dir: str) -> Pair:
+    kinds: dict[str, type[Pair]] = {"kvpush": KvpushPair, "push": InTreePushPair, "pull": PullPair}
+    if name not in kinds:
+        raise ValueError(f"unknown configuration {name!r}; known: {', '.join(kinds)}")
+    return kinds[name](model, log_dir)
