@@ -29,6 +29,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--json", metavar="FILE", help="write all results to this JSON file")
     p.add_argument("--plots", metavar="DIR", help="write PNG plots here (default: next to --json)")
     p.add_argument("--doc", metavar="FILE", help="rewrite the CPU section of this markdown file")
+    p.add_argument(
+        "--render",
+        metavar="JSON",
+        help="run nothing: print, plot and --doc the results of an earlier --json file",
+    )
     e = p.add_argument_group("engine level")
     e.add_argument(
         "--model", default="", help="model dir (default: the tiny model, made if needed)"
@@ -70,6 +75,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.render:
+        with open(args.render) as f:
+            return _output(args, json.load(f))
     parts = [x for x in args.parts.split(",") if x]
     unknown = set(parts) - set(PARTS)
     if unknown:
@@ -112,15 +120,21 @@ def _run(args: argparse.Namespace) -> int:
         print("kvpush bench: interrupted; every server it started was stopped", file=sys.stderr)
         return 130
     res["elapsed_s"] = round(time.monotonic() - t0, 1)
+    return _output(args, res)
+
+
+def _output(args: argparse.Namespace, res: dict[str, Any]) -> int:
+    """Summary table on stdout, then the PNGs, the JSON file and the doc section."""
     from kvpush.bench import report
 
-    res = {**report.headline(res), **res}
+    head = report.headline(res)
+    res = {**head, **{k: v for k, v in res.items() if k not in head}}
     print(report.table(res))
     plots_dir = args.plots or (os.path.dirname(os.path.abspath(args.json)) if args.json else "")
     if plots_dir:
         res["plots"] = report.plot(res, plots_dir)
         _log("plots: " + ", ".join(res["plots"]))
-    if args.json:
+    if args.json and args.json != args.render:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1)
         _log(f"results: {args.json}")

@@ -144,6 +144,7 @@ def _activation(opts: EngineOptions, run: EngineRun, r: int, cfg: str, log: Log)
 
 
 def _idle_cpu(pids: list[int], seconds: float) -> float:
+    time.sleep(2.0)  # let the warm-up's tail (responses, frees, stats logging) settle
     before = tree_cpu_seconds(pids)
     t0 = time.monotonic()
     time.sleep(seconds)
