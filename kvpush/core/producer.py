@@ -13,10 +13,12 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from kvpush.core import wire
 from kvpush.core.errors import HandshakeError, LayoutError, PeerGoneError, TransportError
 from kvpush.core.ids import Key, MatchTable
-from kvpush.core.layout import block_indices
+from kvpush.core.layout import as_ids, block_indices
 from kvpush.core.routing import build_pair_descs, p_targets
 from kvpush.core.transport import WriteState
 from kvpush.core.types import ENDED, StagedBlocks, State, transition
@@ -34,6 +36,8 @@ class PendingReg:
     reg: wire.PushReg
     sender: str
     arrived: float
+    # D's ids as arrays, made on arrival so the WRITE path need not convert them.
+    dst: list[np.ndarray] = field(default_factory=list)
 
 
 @dataclass
@@ -68,6 +72,7 @@ class PushTransfer:
     tid: str | None
     state: State = State.STAGED
     reg: wire.PushReg | None = None
+    dst: list[np.ndarray] = field(default_factory=list)  # reg's ids, as arrays
     sender: str = ""
     handle: Any = None
     cancelled: bool = False  # D cancelled while the WRITE was in flight
@@ -119,7 +124,7 @@ class Producer:
             return
         self.by_prid[preq.prid] = preq
         log.debug("transfer %s: staged (P request %s)", preq.tid or preq.prid, preq.prid)
-        for pend in (group.regs.values() if group else ()):
+        for pend in group.regs.values() if group else ():
             self._attach(preq, pend)
         if preq.prid in self.by_prid and preq.waiting():
             self.staged.add(key, preq)
@@ -176,7 +181,8 @@ class Producer:
             self.w.stats["reg_duplicate"] += 1
             log.warning("duplicate registration %s from %s ignored", key, sender)
             return
-        pend = PendingReg(reg, sender, time.monotonic())
+        # The decoder checked the ids for duplicates; D's layout checks the range at WRITE.
+        pend = PendingReg(reg, sender, time.monotonic(), [as_ids(g) for g in reg.local_block_ids])
         preq = self.staged.find(key)
         if preq is not None:
             self._attach(preq, pend)
@@ -197,8 +203,12 @@ class Producer:
         if allow is None or where in allow:
             return True
         self.w.stats["reg_untrusted"] += 1
-        log.warning("registration %s from %s names untrusted decoder %s; refused",
-                    reg.request_id, sender, where)
+        log.warning(
+            "registration %s from %s names untrusted decoder %s; refused",
+            reg.request_id,
+            sender,
+            where,
+        )
         if sender in self.w.peers_by_agent:  # a peer we already trust can hear why
             self.w.notify(sender, self._fail_msg(reg, f"decoder {where} is not trusted"))
         return False
@@ -281,7 +291,7 @@ class Producer:
             self._send_to(reg, self._fail_msg(reg, "inconsistent or repeated D rank"))
             return
         leg = PushTransfer(preq.prid, preq.blocks, preq.tid, preq=preq)
-        leg.reg, leg.sender = reg, pend.sender
+        leg.reg, leg.sender, leg.dst = reg, pend.sender, pend.dst
         preq.legs[reg.decode_tp_rank] = leg
         self.by_dkey[(pend.sender, reg.request_id)] = leg
         transition(leg, State.MATCHED, leg.name, f"with D request {reg.request_id}")
@@ -320,18 +330,22 @@ class Producer:
         try:
             src_groups = self._source_blocks(t, reg)
             notif = wire.encode_completion(reg.request_id, self.w.config.tp_size)
-            staged = self._plan_staged(t, peer, reg, src_groups)
+            staged = self._plan_staged(t, peer, reg, src_groups, t.dst)
             if staged is not None:  # one descriptor from our staging slot into D's
                 src, dst = staged
                 tp = self.w.config.tp_size
                 notif = wire.encode(wire.StagedDone(request_id=reg.request_id, tp_size=tp))
             elif peer.prepped is not None and self._identity(peer):
                 src = block_indices(self.w.layout, src_groups)
-                dst = block_indices(peer.info.layout, reg.local_block_ids)
+                dst = block_indices(peer.info.layout, t.dst, unique_known=True)
             else:
                 src, dst = build_pair_descs(
-                    self.w.layout, peer.info.layout, self.w.pairs_to(peer), src_groups,
-                    reg.local_block_ids,
+                    self.w.layout,
+                    peer.info.layout,
+                    self.w.pairs_to(peer),
+                    src_groups,
+                    t.dst,
+                    dst_unique=True,
                 )
         except (LayoutError, wire.WireError) as e:
             self.w.stats["reg_invalid"] += 1
@@ -360,16 +374,19 @@ class Producer:
         transition(t, State.WRITING, t.name, f"{len(src)} descriptors")
 
     def _plan_staged(
-        self, t: PushTransfer, peer: Peer, reg: wire.PushReg, src_groups: list[list[int]]
+        self,
+        t: PushTransfer,
+        peer: Peer,
+        reg: wire.PushReg,
+        src_groups: list[list[int]],
+        dst_groups: list[np.ndarray],
     ) -> tuple[Any, Any] | None:
         """The hook's one-descriptor WRITE when D offered a slot and the hook wants it."""
         hook = self.w.staging
         if hook is None or not isinstance(reg.staging, wire.StagingSlot):
             return None
         info = peer.info
-        return hook.plan(
-            t.prid, info.layout, info.staging, reg.staging, src_groups, reg.local_block_ids
-        )
+        return hook.plan(t.prid, info.layout, info.staging, reg.staging, src_groups, dst_groups)
 
     def _identity(self, peer: Peer) -> bool:
         """Region i pairs whole with the peer's region i: prepared rows line up."""
@@ -379,7 +396,7 @@ class Producer:
         )
 
     def _source_blocks(self, t: PushTransfer, reg: wire.PushReg) -> list[list[int]]:
-        dst = reg.local_block_ids
+        dst = t.dst
         if len(dst) != len(t.blocks):
             raise LayoutError(f"{len(dst)} block groups, P holds {len(t.blocks)}")
         src = []

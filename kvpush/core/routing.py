@@ -15,12 +15,19 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
 from kvpush.core.errors import LayoutError
-from kvpush.core.layout import KVLayout, Region, expand, extents, pair_extents, validate_block_ids
+from kvpush.core.layout import (
+    KVLayout,
+    Region,
+    as_ids,
+    expand,
+    extents,
+    pair_extents,
+    validate_block_ids,
+)
 
 
 @dataclass(frozen=True)
@@ -171,16 +178,20 @@ def build_pair_descs(
     p: KVLayout,
     d: KVLayout,
     pairs: Sequence[RegionPair],
-    src_groups: Sequence[Sequence[int]],
-    dst_groups: Sequence[Sequence[int]],
+    src_groups: Sequence[Sequence[int] | np.ndarray],
+    dst_groups: Sequence[Sequence[int] | np.ndarray],
+    dst_unique: bool = False,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Nx3 (address, length, device) arrays: P's blocks ``src_groups`` into D's ``dst_groups``."""
-    # Id lists become arrays once here, not again per region below.
-    src_arrays: list[Any] = [np.asarray(g, dtype=np.int64) for g in src_groups]
-    dst_arrays: list[Any] = [np.asarray(g, dtype=np.int64) for g in dst_groups]
+    """Nx3 (address, length, device) arrays: P's blocks ``src_groups`` into D's ``dst_groups``.
+
+    ``dst_unique``: D's ids were checked for duplicates already (on PUSH_REG arrival).
+    """
+    # Ids become int64 arrays once here (no copy if they are already), not per region.
+    src_arrays = [as_ids(g) for g in src_groups]
+    dst_arrays = [as_ids(g) for g in dst_groups]
     validate_block_ids(p, src_arrays)
-    validate_block_ids(d, dst_arrays)
-    src_parts, dst_parts = [], []
+    validate_block_ids(d, dst_arrays, unique_known=dst_unique)
+    pieces: list[tuple[np.ndarray, np.ndarray, np.ndarray, int, int]] = []
     for pair in pairs:
         lr, rr = p.regions[pair.src], d.regions[pair.dst]
         s_ids, d_ids = src_arrays[lr.group], dst_arrays[rr.group]
@@ -198,10 +209,8 @@ def build_pair_descs(
             # (the same descriptors as pair_extents, without its sorts).
             ps = expand(s_ids, p.physical_per_logical)
             pd = expand(d_ids, d.physical_per_logical)
-            sa, da, ln = coalesce(
-                lr.base_addr + ps * lr.block_len,
-                rr.base_addr + pd * rr.block_len,
-                np.full(ps.size, lr.block_len, dtype=np.int64),
+            sa, da, ln = coalesce_equal(
+                lr.base_addr + ps * lr.block_len, rr.base_addr + pd * rr.block_len, lr.block_len
             )
         elif pair.whole:
             sa, da, ln = pair_extents(
@@ -210,12 +219,23 @@ def build_pair_descs(
             )
         else:
             sa, da, ln = _segment_pieces(p, d, lr, rr, pair.segments, s_ids, d_ids)
-        src_parts.append(np.stack([sa, ln, np.full_like(sa, lr.device_id)], axis=1))
-        dst_parts.append(np.stack([da, ln, np.full_like(da, rr.device_id)], axis=1))
-    if not src_parts:
-        empty = np.zeros((0, 3), dtype=np.int64)
-        return empty, empty.copy()
-    return np.concatenate(src_parts), np.concatenate(dst_parts)
+        pieces.append((sa, da, ln, lr.device_id, rr.device_id))
+    return _rows(pieces)
+
+
+def _rows(
+    pieces: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray, int, int]],
+) -> tuple[np.ndarray, np.ndarray]:
+    """Fill the two Nx3 descriptor arrays in place (cheaper than stacking per region)."""
+    n = sum(len(sa) for sa, *_ in pieces)
+    src, dst = np.empty((n, 3), dtype=np.int64), np.empty((n, 3), dtype=np.int64)
+    at = 0
+    for sa, da, ln, s_dev, d_dev in pieces:
+        end = at + len(sa)
+        src[at:end, 0], src[at:end, 1], src[at:end, 2] = sa, ln, s_dev
+        dst[at:end, 0], dst[at:end, 1], dst[at:end, 2] = da, ln, d_dev
+        at = end
+    return src, dst
 
 
 def _segment_pieces(
@@ -224,8 +244,8 @@ def _segment_pieces(
     lr: Region,
     rr: Region,
     segs: Sequence[Segment],
-    s_ids: Sequence[int],
-    d_ids: Sequence[int],
+    s_ids: np.ndarray,
+    d_ids: np.ndarray,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     ps = expand(s_ids, p.physical_per_logical)
     pd = expand(d_ids, d.physical_per_logical)
@@ -247,3 +267,23 @@ def coalesce(
     cont = (sa[1:] == sa[:-1] + ln[:-1]) & (da[1:] == da[:-1] + ln[:-1])
     starts = np.concatenate(([0], np.flatnonzero(~cont) + 1))
     return sa[starts], da[starts], np.add.reduceat(ln, starts)
+
+
+def coalesce_equal(
+    sa: np.ndarray, da: np.ndarray, length: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``coalesce`` for pieces all ``length`` bytes long, the common case, in fewer passes."""
+    n = sa.size
+    if n <= 1:
+        return sa, da, np.full(n, length, dtype=np.int64)
+    # A piece starts a run unless both sides continue the previous one.
+    breaks = np.flatnonzero((np.diff(sa) != length) | (np.diff(da) != length))
+    if breaks.size == n - 1:  # nothing merges (scattered): no gathers needed
+        return sa, da, np.full(n, length, dtype=np.int64)
+    starts = np.empty(breaks.size + 1, dtype=np.int64)
+    starts[0] = 0
+    starts[1:] = breaks + 1
+    ends = np.empty_like(starts)
+    ends[:-1] = starts[1:]
+    ends[-1] = n
+    return sa[starts], da[starts], (ends - starts) * length

@@ -53,7 +53,7 @@ class StagingHook(Protocol):
         remote_staging: Region | None,
         slot: StagingSlot,
         src_groups: Sequence[Sequence[int]],
-        dst_groups: Sequence[Sequence[int]],
+        dst_groups: Sequence[Sequence[int] | np.ndarray],
     ) -> tuple[np.ndarray, np.ndarray] | None:
         """P: gather into our staging and return the one-row (src, dst) WRITE, or None: direct.
 

@@ -162,7 +162,7 @@ class GpuStaging:
         remote_staging: Region | None,
         slot: StagingSlot,
         src_groups: Sequence[Sequence[int]],
-        dst_groups: Sequence[Sequence[int]],
+        dst_groups: Sequence[Sequence[int] | np.ndarray],
     ) -> tuple[np.ndarray, np.ndarray] | None:
         if remote_staging is None:
             return None

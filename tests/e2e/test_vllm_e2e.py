@@ -91,12 +91,15 @@ def test_16_concurrent_distinct_prompts(env: dict[str, Any]) -> None:
 
 def test_decoder_did_not_compute_the_prompts(env: dict[str, Any]) -> None:
     c: Cluster = env["cluster"]
-    before = {s: metric(c.d.url, "vllm:prompt_tokens_by_source_total", {"source": s})
-              for s in ("local_compute", "external_kv_transfer")}
+    before = {
+        s: metric(c.d.url, "vllm:prompt_tokens_by_source_total", {"source": s})
+        for s in ("local_compute", "external_kv_transfer")
+    }
     reply = request(c.router.url, env["model"], ids(400, 9), max_tokens=4)
     assert reply.ok and reply.prompt_tokens == 400
-    after = {s: metric(c.d.url, "vllm:prompt_tokens_by_source_total", {"source": s})
-             for s in before}
+    after = {
+        s: metric(c.d.url, "vllm:prompt_tokens_by_source_total", {"source": s}) for s in before
+    }
     assert after["external_kv_transfer"] - before["external_kv_transfer"] >= 399
     assert after["local_compute"] - before["local_compute"] <= 1  # the last prompt token
 

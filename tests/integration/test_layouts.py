@@ -23,9 +23,23 @@ pytestmark = pytest.mark.integration
     ids=["tp1-tp2", "tp2-tp1", "tp2-tp4", "mla-tp1-tp2", "pp2-tp2-tp1", "packed-pp2"],
 )
 def test_ranks_push_every_byte(p_tp: int, d_tp: int, p_pp: int, mla: bool, packed: bool) -> None:
-    s = run_demo(DemoOptions(requests=6, max_blocks=6, layers=4, block_bytes=4096, num_blocks=256,
-                             window=6, seed=3, timeout_s=120, p_tp=p_tp, d_tp=d_tp, p_pp=p_pp,
-                             mla=mla, packed=packed))
+    s = run_demo(
+        DemoOptions(
+            requests=6,
+            max_blocks=6,
+            layers=4,
+            block_bytes=4096,
+            num_blocks=256,
+            window=6,
+            seed=3,
+            timeout_s=120,
+            p_tp=p_tp,
+            d_tp=d_tp,
+            p_pp=p_pp,
+            mla=mla,
+            packed=packed,
+        )
+    )
     assert s["completed"] == 6 and s["failed"] == 0 and s["corrupted"] == 0, s
     assert s["held_blocks_p"] == 0 and s["held_blocks_d"] == 0, s
     assert s["p_ranks"] == p_tp * p_pp and s["d_ranks"] == d_tp

@@ -9,6 +9,7 @@ from kvpush.core.errors import LayoutError
 from kvpush.core.layout import (
     KVLayout,
     Region,
+    as_ids,
     build_write_descs,
     check_compatible,
     expand,
@@ -71,6 +72,26 @@ def test_ratio_difference_pairs_bytes() -> None:
 def test_validation(ids: list[list[int]], why: str) -> None:
     with pytest.raises(LayoutError, match=why):
         validate_block_ids(layout(0), ids)
+
+
+def test_duplicates_found_by_marks_and_by_sort() -> None:
+    small = KVLayout([Region("r", 0, 16, 64)], block_size=16)  # marks: few possible ids
+    big = KVLayout([Region("r", 0, 16, 1 << 20)], block_size=16)  # sort: ids sparse
+    for lay in (small, big):
+        validate_block_ids(lay, [np.array([5, 3, 9])])
+        with pytest.raises(LayoutError, match="duplicate"):
+            validate_block_ids(lay, [np.array([5, 3, 5])])
+        validate_block_ids(lay, [[5, 5]], unique_known=True)  # range only: caller checked
+
+
+def test_as_ids() -> None:
+    arr = np.arange(4, dtype=np.int64)
+    assert as_ids(arr) is arr
+    assert as_ids([3, 1]).tolist() == [3, 1]
+    assert as_ids(np.array([2], dtype=np.int32)).dtype == np.int64
+    assert as_ids([]).size == 0
+    with pytest.raises(LayoutError, match="integers"):
+        as_ids([1.5])  # type: ignore[list-item]
 
 
 def test_incompatible_layouts() -> None:

@@ -11,7 +11,14 @@ from hypothesis import strategies as st
 
 from kvpush.core.errors import LayoutError
 from kvpush.core.layout import KVLayout, PackedMember, Region
-from kvpush.core.routing import build_pair_descs, d_sources, p_targets, pair_regions
+from kvpush.core.routing import (
+    build_pair_descs,
+    coalesce,
+    coalesce_equal,
+    d_sources,
+    p_targets,
+    pair_regions,
+)
 
 CHUNK = 8  # bytes of one head's page in one block (tiny, so memories stay small)
 
@@ -232,3 +239,16 @@ def test_pooled_regions_with_different_representatives() -> None:
     )
     with pytest.raises(LayoutError, match="several peer regions"):
         pair_regions(p, split)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_equal_length_coalescing_matches_the_general_one(data: st.DataObject) -> None:
+    n = data.draw(st.integers(0, 40))
+    ids = st.lists(st.integers(0, 12), min_size=n, max_size=n)
+    sa = np.array(data.draw(ids), dtype=np.int64) * 16
+    da = np.array(data.draw(ids), dtype=np.int64) * 16 + 4096
+    want = coalesce(sa, da, np.full(n, 16, dtype=np.int64))
+    got = coalesce_equal(sa, da, 16)
+    for w, g in zip(want, got, strict=True):
+        assert w.tolist() == g.tolist()

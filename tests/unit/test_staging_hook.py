@@ -70,7 +70,7 @@ class NumpyStaging:
         remote_staging: Region | None,
         slot: wire.StagingSlot,
         src_groups: Sequence[Sequence[int]],
-        dst_groups: Sequence[Sequence[int]],
+        dst_groups: Sequence[Sequence[int] | np.ndarray],
     ) -> tuple[np.ndarray, np.ndarray] | None:
         self.calls["plan"] += 1
         assert self.layout is not None
