@@ -36,6 +36,8 @@ class AgentInfo(msgspec.Struct, kw_only=True):
     nixl_metadata: bytes
     layout: KVLayout
     staging: Region | None = None  # the staging buffer, when the worker has a staging hook
+    # What a process on the same host needs to map our KV memory (core/peer_copy.py).
+    peer_copy: Annotated[bytes, msgspec.Meta(max_length=1 << 20)] | None = None
 
 
 class HandshakeRequest(msgspec.Struct, kw_only=True):

@@ -330,12 +330,13 @@ class Producer:
         try:
             src_groups = self._source_blocks(t, reg)
             notif = wire.encode_completion(reg.request_id, self.w.config.tp_size)
-            staged = self._plan_staged(t, peer, reg, src_groups, t.dst)
+            copy = self._can_copy(peer)
+            staged = None if copy else self._plan_staged(t, peer, reg, src_groups, t.dst)
             if staged is not None:  # one descriptor from our staging slot into D's
                 src, dst = staged
                 tp = self.w.config.tp_size
                 notif = wire.encode(wire.StagedDone(request_id=reg.request_id, tp_size=tp))
-            elif peer.prepped is not None and self._identity(peer):
+            elif not copy and peer.prepped is not None and self._identity(peer):
                 src = block_indices(self.w.layout, src_groups)
                 dst = block_indices(peer.info.layout, t.dst, unique_known=True)
             else:
@@ -351,9 +352,11 @@ class Producer:
             self.w.stats["reg_invalid"] += 1
             self._fail(t, peer, f"invalid registration: {e}")
             return
+        if copy and self._copied(t, peer, src, dst, notif):
+            return
         tr = self.w.transport
         try:
-            if peer.prepped is not None and staged is None and self._identity(peer):
+            if peer.prepped is not None and staged is None and not copy and self._identity(peer):
                 t.handle = tr.write_prepped(
                     peer.agent, self.w.local_prepped, src, peer.prepped, dst, notif
                 )
@@ -372,6 +375,39 @@ class Producer:
         if peer.prepped is None and len(src):
             self.w.stats["write_bytes"] += int(src[:, 1].sum())
         transition(t, State.WRITING, t.name, f"{len(src)} descriptors")
+
+    def _can_copy(self, peer: Peer) -> bool:
+        return self.w.peer_copy is not None and peer.info.peer_copy is not None
+
+    def _copied(
+        self, t: PushTransfer, peer: Peer, src: np.ndarray, dst: np.ndarray, notif: bytes
+    ) -> bool:
+        """Copy through the peer-copy hook, then notify; False: post a WRITE instead."""
+        hook, exported = self.w.peer_copy, peer.info.peer_copy
+        assert hook is not None and exported is not None
+        try:
+            if not hook.copy(peer.agent, exported, src, dst):
+                self.w.stats["copy_declined"] += 1
+                return False
+        except Exception as e:  # a failed kernel: nothing is known of D's blocks
+            self.w.stats["copy_failed"] += 1
+            self._fail(t, peer, f"direct copy failed: {e}")
+            return True
+        transition(t, State.WRITING, t.name, f"{len(src)} ranges copied directly")
+        try:
+            self.w.transport.send_notif(peer.agent, notif)
+        except TransportError as e:
+            self.w.stats["write_failed"] += 1
+            if isinstance(e, PeerGoneError):
+                self.w.forget_peer(peer.agent)
+            self._fail(t, peer, f"completion could not be sent: {e}")
+            return True
+        self.w.stats["copies"] += 1
+        self.w.stats["copy_descs"] += len(src)
+        self.w.stats["write_bytes"] += int(src[:, 1].sum()) if len(src) else 0
+        transition(t, State.DONE, t.name)
+        self._finish(t)
+        return True
 
     def _plan_staged(
         self,

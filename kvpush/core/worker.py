@@ -25,6 +25,7 @@ from kvpush.core.consumer import Consumer
 from kvpush.core.errors import KVPushError, TransportError, WireError
 from kvpush.core.handshake import PROTOCOL_VERSION, AgentInfo, SideChannelServer, fetch_agent_info
 from kvpush.core.layout import KVLayout, block_descs, same_block_shape
+from kvpush.core.peer_copy import PeerCopyHook
 from kvpush.core.producer import Producer
 from kvpush.core.routing import RegionPair, pair_regions
 from kvpush.core.staging import StagingHook
@@ -64,6 +65,7 @@ class PushWorker:
         layout: KVLayout,
         fetch: Callable[..., AgentInfo] = fetch_agent_info,
         staging: StagingHook | None = None,
+        peer_copy: PeerCopyHook | None = None,
     ) -> None:
         self.config = config
         self._fetch = fetch  # tests substitute a gated or failing handshake
@@ -74,6 +76,7 @@ class PushWorker:
         self.staging = staging  # optional gather / one WRITE / scatter path (core/staging.py)
         if staging is not None:
             transport.register(KVLayout([staging.region], layout.block_size, 1, layout.mem_type))
+        self.peer_copy = peer_copy  # optional one-kernel copy into a same-host peer
         self.local_prepped: object | None = None
         if config.descriptor_mode == "prepped":
             self.local_prepped = transport.prep(None, block_descs(layout))
@@ -86,6 +89,7 @@ class PushWorker:
             nixl_metadata=transport.metadata(),
             layout=layout,
             staging=staging.region if staging is not None else None,
+            peer_copy=peer_copy.export() if peer_copy is not None else None,
         )
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -245,6 +249,8 @@ class PushWorker:
             del self.peers[key]
         if peer.prepped is not None:
             self.transport.release_prepped(peer.prepped)
+        if self.peer_copy is not None:
+            self.peer_copy.forget(agent)
         self.transport.remove_peer(agent)
         self.heard.pop(agent, None)
         log.info("peer %s forgotten", agent)

@@ -143,7 +143,8 @@ class Bench:
             "block_bytes": block,
             "worker": BENCH_WORKER,
             "staging_bytes": staging,
-            "staging_backend": backend,
+            "staging_backend": backend if backend != "ipc" else "auto",
+            "peer_copy": backend == "ipc",
             "min_direct_run": FORCE_STAGED,
             "trace": True,
             "bind_thread": bind,
@@ -218,7 +219,9 @@ class Bench:
     def modes(self, latency: bool = False) -> list[tuple[str, int, str, bool]]:
         """(name, staging bytes, copy backend, bind the writer thread to the device)."""
         out = [("direct", 0, "auto", True)]
-        for b in self.a.backends.split(","):
+        if self.a.ipc:
+            out.append(("ipc", 0, "ipc", True))  # one kernel into D's memory (CUDA IPC)
+        for b in filter(None, self.a.backends.split(",")):
             out.append((f"staged-{b}", self.a.total, b, True))
         if latency and self.a.unbound:
             out.append(("direct-unbound", 0, "auto", False))
@@ -318,6 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--total", type=parse_size, default=GIB)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--backends", default="cupy,torch", help="staged copy backends to run")
+    ap.add_argument("--ipc", type=int, default=1, help="also run the CUDA IPC direct copy")
     ap.add_argument("--lat-block", default="64K")
     ap.add_argument("--lat-blocks", type=int, default=16)
     ap.add_argument("--lat-reps", type=int, default=50)

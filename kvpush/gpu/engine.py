@@ -19,6 +19,7 @@ from kvpush.core.scheduler import PushScheduler, SchedulerConfig
 from kvpush.core.transport import Transport
 from kvpush.core.types import RecvRegistration, WorkerConfig
 from kvpush.core.worker import PushWorker
+from kvpush.gpu.peer_copy import CudaPeerCopy
 from kvpush.gpu.staging import GpuStaging
 from kvpush.gpu.tensors import layout_from_tensors
 from kvpush.sim.engine import content_key
@@ -40,6 +41,7 @@ class GpuSpec:
     host: str = "127.0.0.1"
     staging_bytes: int = 0  # 0: no staging hook
     staging_backend: str = "auto"
+    peer_copy: bool = False  # CudaPeerCopy: one kernel straight into a same-host peer
     min_direct_run: int = 4 << 20
     verify: bool = True
     trace: bool = False  # time the writer's stages (see GpuEngine._trace)
@@ -106,8 +108,13 @@ class GpuEngine:
         if spec.scattered:
             random.Random(spec.seed).shuffle(self.free)
         self.sched = PushScheduler(SchedulerConfig(spec.lease_s, spec.watchdog_s))
+        self.peer_copy: CudaPeerCopy | None = None
+        if spec.peer_copy:
+            self.peer_copy = CudaPeerCopy(tensors)
         wcfg = WorkerConfig(engine_id=spec.engine_id, host=spec.host, port=spec.port, **spec.worker)
-        self.worker = PushWorker(wcfg, transport, layout, staging=self.staging, **worker_kw)
+        self.worker = PushWorker(
+            wcfg, transport, layout, staging=self.staging, peer_copy=self.peer_copy, **worker_kw
+        )
         self.p_reqs: dict[str, tuple[list[int], bool]] = {}  # blocks, from our free list
         self.d_reqs: dict[str, tuple[list[int], str, bool]] = {}
         self.events: list[tuple[str, str, dict[str, Any]]] = []
@@ -163,6 +170,8 @@ class GpuEngine:
             emit(kind, rid, reason)
 
         w.transport.write = stamp("write", w.transport.write)  # type: ignore[method-assign]
+        if self.peer_copy is not None:  # the direct copy stands where the WRITE would
+            self.peer_copy.copy = stamp("write", self.peer_copy.copy)  # type: ignore[method-assign]
         if self.staging is not None:
             plan, unstage = self.staging.plan, self.staging.unstage
 
@@ -301,3 +310,5 @@ class GpuEngine:
 
     def close(self) -> None:
         self.worker.shutdown()
+        if self.peer_copy is not None:
+            self.peer_copy.close()

@@ -66,6 +66,8 @@ class _Child:
             transport = NixlTransport(name)
         self.engine = GpuEngine(spec, transport, memory=mem, staging_buffer=staging)
         backend = self.engine.staging.copier.name if self.engine.staging else None
+        if self.engine.peer_copy is not None:
+            backend = "ipc"
         info = {"agent": self.engine.worker.info.agent_name, "port": spec.port, "copier": backend}
         return ("ready", spec.engine_id, info)
 
@@ -92,6 +94,8 @@ class _Child:
             stats = {"held_blocks": e.held_blocks(), "busy": e.busy(), **e.worker.snapshot()}
             if e.staging is not None:
                 stats.update({f"staging_{k}": v for k, v in e.staging.stats.items()})
+            if e.peer_copy:
+                stats.update({f"peer_copy_{k}": v for k, v in e.peer_copy.stats.items()})
             return ("stats", e.spec.engine_id, stats)
         if kind.startswith("raw_") or kind in ("ceiling", "kernels"):
             return getattr(self, kind)(*args)

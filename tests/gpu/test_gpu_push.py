@@ -120,3 +120,15 @@ def test_long_runs_go_direct(pair: Pair) -> None:
         pair.check(rid, n)
     st = pair.p.call("stats")
     assert st["writes_staged"] == 0 and st["staging_direct_long_runs"] == 2, st
+
+
+def test_ipc_copies_one_kernel_per_transfer(pair: Pair) -> None:
+    if pair.p.device == "cpu":
+        pytest.skip("CUDA IPC exists on CUDA devices only (the CPU pair writes through NIXL)")
+    pair.setup(peer_copy=True)
+    rids = [(pair.push(n), n) for n in SIZES]
+    for rid, n in rids:
+        pair.check(rid, n)
+    st = pair.p.call("stats")
+    assert st.get("writes", 0) == 0 and st["peer_copy_copies"] == len(SIZES), st
+    assert st["peer_copy_mapped"] == 1

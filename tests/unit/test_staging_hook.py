@@ -97,17 +97,28 @@ class NumpyStaging:
 
 
 class StagedPair:
-    def __init__(self, p_hook: NumpyStaging | None, d_hook: NumpyStaging | None) -> None:
+    """P and D SimEngines over the in-memory transport; extra worker hooks per side."""
+
+    def __init__(
+        self,
+        p_hook: NumpyStaging | None,
+        d_hook: NumpyStaging | None,
+        p_kw: dict[str, Any] | None = None,
+        d_kw: dict[str, Any] | None = None,
+    ) -> None:
         fabric = Fabric()
-        self.p = self._engine("P", fabric, p_hook)
-        self.d = self._engine("D", fabric, d_hook)
+        self.p = self._engine("P", fabric, p_hook, p_kw or {})
+        self.d = self._engine("D", fabric, d_hook, d_kw or {})
         self.d_events: list[tuple[str, str, dict[str, Any]]] = []
         self.p_hook, self.d_hook = p_hook, d_hook
 
     @staticmethod
-    def _engine(name: str, fabric: Fabric, hook: NumpyStaging | None) -> SimEngine:
+    def _engine(
+        name: str, fabric: Fabric, hook: NumpyStaging | None, kw: dict[str, Any]
+    ) -> SimEngine:
         spec = SimSpec(name, free_port(), layers=2, num_blocks=256, block_bytes=4096, worker=FAST)
-        eng = SimEngine(spec, MemoryTransport(fabric, make_agent_name(name, 0)), staging=hook)
+        transport = MemoryTransport(fabric, make_agent_name(name, 0))
+        eng = SimEngine(spec, transport, staging=hook, **kw)
         if hook is not None:
             hook.layout = eng.worker.layout
         return eng

@@ -1,0 +1,107 @@
+"""The peer-copy hook (core/peer_copy.py) in the core's push, over the in-memory transport."""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+import numpy as np
+import pytest
+
+from tests.unit.test_staging_hook import NumpyStaging, StagedPair
+
+
+class MemmovePeerCopy:
+    """The PeerCopyHook protocol in one process: "mapping" a peer is knowing its host."""
+
+    def __init__(self, host: str, fail: bool = False) -> None:
+        self.host = host
+        self.fail = fail
+        self.copied = 0
+        self.forgotten: list[str] = []
+
+    def export(self) -> bytes:
+        return self.host.encode()
+
+    def copy(self, peer: str, exported: bytes, src: np.ndarray, dst: np.ndarray) -> bool:
+        if exported.decode() != self.host:
+            return False
+        if self.fail:
+            raise RuntimeError("illegal address")
+        for (s, n, _), (d, m, _) in zip(src.tolist(), dst.tolist(), strict=True):
+            assert n == m
+            ctypes.memmove(d, s, n)
+        self.copied += 1
+        return True
+
+    def forget(self, peer: str) -> None:
+        self.forgotten.append(peer)
+
+
+@pytest.fixture
+def pair() -> Any:
+    made: list[StagedPair] = []
+
+    def make(p: MemmovePeerCopy | None, d: MemmovePeerCopy | None, **kw: Any) -> StagedPair:
+        made.append(
+            StagedPair(kw.get("p_staging"), kw.get("d_staging"), {"peer_copy": p}, {"peer_copy": d})
+        )
+        return made[-1]
+
+    yield make
+    for pr in made:
+        pr.close()
+
+
+def test_same_host_copies_and_only_notifies(pair: Any) -> None:
+    hook = MemmovePeerCopy("h1")
+    pr = pair(hook, MemmovePeerCopy("h1"))
+    for i, n in enumerate([1, 6, 19]):
+        pr.push(f"r{i}", n)
+        kind, info = pr.outcome(f"r{i}")
+        assert kind == "recv" and info["bad_regions"] == 0, info
+    st = pr.p.worker.stats
+    assert st["copies"] == 3 and st["writes"] == 0 and hook.copied == 3
+    assert st["copy_descs"] > 0 and st["write_bytes"] > 0
+
+
+def test_copy_beats_staging_when_both_are_offered(pair: Any) -> None:
+    staging = {"p_staging": NumpyStaging(1 << 20), "d_staging": NumpyStaging(1 << 20)}
+    pr = pair(MemmovePeerCopy("h1"), MemmovePeerCopy("h1"), **staging)
+    pr.push("r0", 7)
+    assert pr.outcome("r0")[1]["bad_regions"] == 0
+    assert pr.p.worker.stats["copies"] == 1 and pr.p.worker.stats["writes_staged"] == 0
+    assert len(staging["d_staging"].slots) == 0  # D's unused slot was freed
+
+
+@pytest.mark.parametrize("d_hook", [MemmovePeerCopy("other"), None], ids=["other-host", "no-hook"])
+def test_declined_or_absent_falls_back_to_the_write(pair: Any, d_hook: Any) -> None:
+    pr = pair(MemmovePeerCopy("h1"), d_hook)
+    pr.push("r0", 5)
+    kind, info = pr.outcome("r0")
+    assert kind == "recv" and info["bad_regions"] == 0
+    st = pr.p.worker.stats
+    assert st["writes"] == 1 and st["copies"] == 0
+    assert st["copy_declined"] == (1 if d_hook is not None else 0)
+
+
+def test_failed_copy_fails_the_transfer_and_frees_both_sides(pair: Any) -> None:
+    pr = pair(MemmovePeerCopy("h1", fail=True), MemmovePeerCopy("h1"))
+    pr.push("r0", 3)
+    kind, info = pr.outcome("r0")  # also waits for P to free its blocks
+    assert kind == "failed" and "direct copy failed" in info["reason"]
+    assert pr.p.worker.stats["copy_failed"] == 1 and pr.p.worker.stats["writes"] == 0
+    # P's worker lives on: the next transfer (copying again) succeeds.
+    pr.p.worker.peer_copy.fail = False  # type: ignore[union-attr]
+    pr.push("r1", 2)
+    assert pr.outcome("r1")[0] == "recv"
+
+
+def test_forgetting_a_peer_drops_its_mapping(pair: Any) -> None:
+    hook = MemmovePeerCopy("h1")
+    pr = pair(hook, MemmovePeerCopy("h1"))
+    pr.push("r0", 1)
+    pr.outcome("r0")
+    agent = pr.d.worker.transport.agent_name
+    pr.p.worker.forget_peer(agent)
+    assert hook.forgotten == [agent]
