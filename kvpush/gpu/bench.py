@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 import time
@@ -29,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from kvpush.deploy.servers import free_port
 from kvpush.gpu.engine import GpuSpec
 from kvpush.gpu.process import GpuProcess
 
@@ -65,12 +65,6 @@ def fmt_size(n: int) -> str:
         if n >= m and n % m == 0:
             return f"{n // m} {unit}"
     return f"{n} B"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def summary(times: list[float], nbytes: int) -> dict[str, Any]:
