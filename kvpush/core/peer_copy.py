@@ -7,11 +7,13 @@ three passes. With a hook set on ``PushWorker.peer_copy``:
 
 * every worker advertises ``export()`` in its handshake (``AgentInfo.peer_copy``):
   what a process on the same host needs to map its KV memory;
-* P, for each transfer, builds the same descriptors as for a WRITE and calls
-  ``copy``; True means every byte is in D's blocks (the copy was waited for), and
-  P sends the plain completion notification instead of posting a WRITE. False
-  (another host, no mapping, a range outside what D exported) falls back to the
-  WRITE, chosen per transfer.
+* P, for each transfer, hands ``copy`` a ``CopyPlan``: the block ids (validated)
+  and the peer's ``block_pieces`` rows (which bytes of a block go where, once per
+  peer), so a kernel expands them on the device instead of the host building a
+  descriptor per block. True means every byte is in D's blocks (the copy was
+  waited for), and P sends the plain completion instead of posting a WRITE.
+  False (another host, no mapping, a range outside what D exported) falls back
+  to the WRITE, chosen per transfer.
 
 D needs nothing new: the completion is the same as after a WRITE. The
 implementation lives in ``kvpush.gpu.peer_copy``; the core never imports torch.
@@ -20,9 +22,47 @@ implementation lives in ``kvpush.gpu.peer_copy``; the core never imports torch.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
+
+from kvpush.core.errors import LayoutError
+from kvpush.core.layout import KVLayout, as_ids, validate_block_ids
+
+
+@dataclass(frozen=True)
+class CopyPlan:
+    """One transfer for a peer-copy hook (see ``routing.block_pieces`` for ``pieces``)."""
+
+    pieces: np.ndarray  # Kx9 rows, PIECE_COLUMNS
+    src: list[np.ndarray]  # our logical block ids, per group
+    dst: list[np.ndarray]  # the peer's, per group; pieces pair src[g] with dst[g']
+    blocks: int  # logical blocks moved
+    nbytes: int
+
+
+def copy_plan(
+    p: KVLayout,
+    d: KVLayout,
+    pieces: np.ndarray,
+    src_groups: Sequence[Sequence[int] | np.ndarray],
+    dst_groups: Sequence[np.ndarray],
+) -> CopyPlan:
+    """Validate the ids as ``build_pair_descs`` does (D's were deduplicated on arrival)."""
+    src = [as_ids(g) for g in src_groups]
+    dst = [as_ids(g) for g in dst_groups]
+    validate_block_ids(p, src)
+    validate_block_ids(d, dst, unique_known=True)
+    nbytes = 0
+    for row in pieces.tolist():
+        n, sg, dg = row[6], row[7], row[8]
+        if len(src[sg]) != len(dst[dg]):
+            have, want = len(src[sg]), len(dst[dg])
+            raise LayoutError(f"group {sg}: {have} source blocks, {want} destination")
+        nbytes += n * len(src[sg])
+    return CopyPlan(pieces, src, dst, sum(len(g) for g in src), nbytes)
 
 
 class PeerCopyHook(Protocol):
@@ -30,8 +70,8 @@ class PeerCopyHook(Protocol):
         """What a peer on this host needs to map our KV memory (opaque to the core)."""
         ...
 
-    def copy(self, peer: str, exported: bytes, src: np.ndarray, dst: np.ndarray) -> bool:
-        """Copy Nx3 (address, length, device) rows ``src`` into the peer's ``dst`` rows.
+    def copy(self, peer: str, exported: bytes, plan: CopyPlan) -> bool:
+        """Move ``plan`` into the peer's memory and wait for it.
 
         ``exported`` is the peer's ``export()``. Returns False, having copied nothing,
         when this peer cannot be reached this way; raises if a started copy failed.

@@ -19,6 +19,7 @@ from kvpush.core import wire
 from kvpush.core.errors import HandshakeError, LayoutError, PeerGoneError, TransportError
 from kvpush.core.ids import Key, MatchTable
 from kvpush.core.layout import as_ids, block_indices
+from kvpush.core.peer_copy import CopyPlan, copy_plan
 from kvpush.core.routing import build_pair_descs, p_targets
 from kvpush.core.transport import WriteState
 from kvpush.core.types import ENDED, StagedBlocks, State, transition
@@ -329,34 +330,25 @@ class Producer:
             return
         try:
             src_groups = self._source_blocks(t, reg)
-            notif = wire.encode_completion(reg.request_id, self.w.config.tp_size)
-            copy = self._can_copy(peer)
-            staged = None if copy else self._plan_staged(t, peer, reg, src_groups, t.dst)
-            if staged is not None:  # one descriptor from our staging slot into D's
-                src, dst = staged
-                tp = self.w.config.tp_size
-                notif = wire.encode(wire.StagedDone(request_id=reg.request_id, tp_size=tp))
-            elif not copy and peer.prepped is not None and self._identity(peer):
-                src = block_indices(self.w.layout, src_groups)
-                dst = block_indices(peer.info.layout, t.dst, unique_known=True)
-            else:
-                src, dst = build_pair_descs(
-                    self.w.layout,
-                    peer.info.layout,
-                    self.w.pairs_to(peer),
-                    src_groups,
-                    t.dst,
-                    dst_unique=True,
+            if self._can_copy(peer):
+                plan = copy_plan(
+                    self.w.layout, peer.info.layout, self.w.pieces_to(peer), src_groups, t.dst
                 )
+                if self._copied(t, peer, plan):
+                    return
+            src, dst, staged = self._descriptors(t, peer, reg, src_groups)
         except (LayoutError, wire.WireError) as e:
             self.w.stats["reg_invalid"] += 1
             self._fail(t, peer, f"invalid registration: {e}")
             return
-        if copy and self._copied(t, peer, src, dst, notif):
-            return
+        if staged:
+            tp = self.w.config.tp_size
+            notif = wire.encode(wire.StagedDone(request_id=reg.request_id, tp_size=tp))
+        else:
+            notif = wire.encode_completion(reg.request_id, self.w.config.tp_size)
         tr = self.w.transport
         try:
-            if peer.prepped is not None and staged is None and not copy and self._identity(peer):
+            if peer.prepped is not None and not staged and self._identity(peer):
                 t.handle = tr.write_prepped(
                     peer.agent, self.w.local_prepped, src, peer.prepped, dst, notif
                 )
@@ -371,29 +363,44 @@ class Producer:
         self.writing[id(t)] = t
         self.w.stats["writes"] += 1
         self.w.stats["write_descs"] += len(src)
-        self.w.stats["writes_staged"] += staged is not None
+        self.w.stats["writes_staged"] += staged
         if peer.prepped is None and len(src):
             self.w.stats["write_bytes"] += int(src[:, 1].sum())
         transition(t, State.WRITING, t.name, f"{len(src)} descriptors")
 
+    def _descriptors(
+        self, t: PushTransfer, peer: Peer, reg: wire.PushReg, src_groups: list[list[int]]
+    ) -> tuple[np.ndarray, np.ndarray, bool]:
+        """The WRITE's (src, dst) rows (or prepped indices) and whether it is staged."""
+        staged = self._plan_staged(t, peer, reg, src_groups, t.dst)
+        if staged is not None:  # one descriptor from our staging slot into D's
+            return staged[0], staged[1], True
+        if peer.prepped is not None and self._identity(peer):
+            src = block_indices(self.w.layout, src_groups)
+            return src, block_indices(peer.info.layout, t.dst, unique_known=True), False
+        pairs = self.w.pairs_to(peer)
+        src, dst = build_pair_descs(
+            self.w.layout, peer.info.layout, pairs, src_groups, t.dst, dst_unique=True
+        )
+        return src, dst, False
+
     def _can_copy(self, peer: Peer) -> bool:
         return self.w.peer_copy is not None and peer.info.peer_copy is not None
 
-    def _copied(
-        self, t: PushTransfer, peer: Peer, src: np.ndarray, dst: np.ndarray, notif: bytes
-    ) -> bool:
-        """Copy through the peer-copy hook, then notify; False: post a WRITE instead."""
+    def _copied(self, t: PushTransfer, peer: Peer, plan: CopyPlan) -> bool:
+        """Copy through the peer-copy hook, then notify; False: WRITE instead."""
         hook, exported = self.w.peer_copy, peer.info.peer_copy
-        assert hook is not None and exported is not None
+        assert hook is not None and exported is not None and t.reg is not None
         try:
-            if not hook.copy(peer.agent, exported, src, dst):
+            if not hook.copy(peer.agent, exported, plan):
                 self.w.stats["copy_declined"] += 1
                 return False
         except Exception as e:  # a failed kernel: nothing is known of D's blocks
             self.w.stats["copy_failed"] += 1
             self._fail(t, peer, f"direct copy failed: {e}")
             return True
-        transition(t, State.WRITING, t.name, f"{len(src)} ranges copied directly")
+        transition(t, State.WRITING, t.name, f"{plan.blocks} blocks copied directly")
+        notif = wire.encode_completion(t.reg.request_id, self.w.config.tp_size)
         try:
             self.w.transport.send_notif(peer.agent, notif)
         except TransportError as e:
@@ -403,8 +410,8 @@ class Producer:
             self._fail(t, peer, f"completion could not be sent: {e}")
             return True
         self.w.stats["copies"] += 1
-        self.w.stats["copy_descs"] += len(src)
-        self.w.stats["write_bytes"] += int(src[:, 1].sum()) if len(src) else 0
+        self.w.stats["copy_blocks"] += plan.blocks
+        self.w.stats["write_bytes"] += plan.nbytes
         transition(t, State.DONE, t.name)
         self._finish(t)
         return True

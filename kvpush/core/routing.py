@@ -223,6 +223,36 @@ def build_pair_descs(
     return _rows(pieces)
 
 
+PIECE_COLUMNS = (
+    "src_base", "dst_base", "src_stride", "dst_stride", "src_off", "dst_off", "length",
+    "src_group", "dst_group",
+)  # fmt: skip
+
+
+def block_pieces(p: KVLayout, d: KVLayout, pairs: Sequence[RegionPair]) -> np.ndarray:
+    """Kx9 int64 rows (see PIECE_COLUMNS): what a WRITE moves, per logical block id.
+
+    For the i-th ids ``s`` of group ``src_group`` and ``t`` of ``dst_group``, row k moves
+    ``length`` bytes from ``src_base + s * src_stride + src_off`` to ``dst_base + t *
+    dst_stride + dst_off``: the same bytes as ``build_pair_descs``, described once per
+    peer instead of once per block (a kernel expands them; see core/peer_copy.py).
+    """
+    rp, rd = p.physical_per_logical, d.physical_per_logical
+    rows = []
+    for pair in pairs:
+        lr, rr = p.regions[pair.src], d.regions[pair.dst]
+        head = (lr.base_addr, rr.base_addr, lr.block_len * rp, rr.block_len * rd)
+        groups = (lr.group, rr.group)
+        if pair.whole:  # a logical block is contiguous on both sides, whatever the split
+            rows.append((*head, 0, 0, p.logical_bytes(pair.src), *groups))
+            continue
+        for k in range(rp):  # segments lie in every physical block (equal splits here)
+            for seg in pair.segments:
+                offs = (k * lr.block_len + seg.src_off, k * rr.block_len + seg.dst_off)
+                rows.append((*head, *offs, seg.length, *groups))
+    return np.array(rows, dtype=np.int64).reshape(-1, len(PIECE_COLUMNS))
+
+
 def _rows(
     pieces: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray, int, int]],
 ) -> tuple[np.ndarray, np.ndarray]:

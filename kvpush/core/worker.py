@@ -20,6 +20,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from kvpush.core import wire
 from kvpush.core.consumer import Consumer
 from kvpush.core.errors import KVPushError, TransportError, WireError
@@ -27,7 +29,7 @@ from kvpush.core.handshake import PROTOCOL_VERSION, AgentInfo, SideChannelServer
 from kvpush.core.layout import KVLayout, block_descs, same_block_shape
 from kvpush.core.peer_copy import PeerCopyHook
 from kvpush.core.producer import Producer
-from kvpush.core.routing import RegionPair, pair_regions
+from kvpush.core.routing import RegionPair, block_pieces, pair_regions
 from kvpush.core.staging import StagingHook
 from kvpush.core.transport import Transport
 from kvpush.core.types import StepMeta, WorkerConfig, WorkerOutput
@@ -43,6 +45,7 @@ class Peer:
     info: AgentInfo
     prepped: object | None = None  # the peer's block descriptors, prepared (prepped mode)
     pairs: list[RegionPair] | None = None  # our regions into the peer's, once computed
+    pieces: np.ndarray | None = None  # the same as block_pieces rows, once computed
     writes_to_us: bool = False  # its layout was checked to write into ours
 
     @property
@@ -233,6 +236,12 @@ class PushWorker:
         if peer.pairs is None:
             peer.pairs = pair_regions(self.layout, peer.info.layout)
         return peer.pairs
+
+    def pieces_to(self, peer: Peer) -> np.ndarray:
+        """``block_pieces`` of our regions into the peer's (computed once)."""
+        if peer.pieces is None:
+            peer.pieces = block_pieces(self.layout, peer.info.layout, self.pairs_to(peer))
+        return peer.pieces
 
     def check_from(self, peer: Peer) -> None:
         """Raise LayoutError unless the peer can write into our layout (checked once)."""

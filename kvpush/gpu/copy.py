@@ -93,16 +93,6 @@ class Copier:
         self.sizes = np.array([int(s.numel()) for s in self.spans], dtype=np.int64)
         self.device = self.spans[0].device
 
-    def add_span(self, base: int, size: int) -> None:
-        """Accept addresses in [base, base + size) too (memory mapped from a peer)."""
-        bases, sizes = np.append(self.bases, base), np.append(self.sizes, size)
-        order = np.argsort(bases, kind="stable")
-        self.bases, self.sizes = bases[order], sizes[order]
-
-    def remove_span(self, base: int) -> None:
-        keep = self.bases != base
-        self.bases, self.sizes = self.bases[keep], self.sizes[keep]
-
     def check(self, addr: np.ndarray, length: np.ndarray) -> None:
         """LayoutError unless every range lies inside one of the spans (fast when one holds all)."""
         lo, hi = int(addr.min()), int((addr + length).max())

@@ -4,10 +4,12 @@ Each worker exports CUDA IPC handles of the allocations behind its KV tensors,
 with their base addresses and a host identity. P, on its first transfer to a
 peer on the same host, opens the peer's handles (mapping D's KV memory into its
 own address space, peer access enabled lazily for another GPU) and from then on
-moves a transfer with ONE kernel (``copy.CupyCopier``: every P range straight
-into its D range, one pass over the bytes) on its own stream, waits for it, and
-lets the core send the completion. A peer on another host, a mapping that fails
-or a range outside what the peer exported is declined: the core WRITEs instead.
+moves a transfer with ONE kernel, one pass over the bytes, on its own stream,
+waits for it, and lets the core send the completion. The kernel reads the
+block ids and the per-peer ``block_pieces`` rows and computes every address
+itself, so the host uploads ids, not a descriptor per block. A peer on another
+host, a mapping that fails or a block outside what the peer exported is
+declined: the core WRITEs instead.
 
 Trust: a peer that completed the handshake may write into these allocations,
 as NIXL's metadata already lets it (use ``shared_secret`` on shared hosts).
@@ -27,7 +29,7 @@ import msgspec
 import numpy as np
 
 from kvpush.core.errors import LayoutError
-from kvpush.gpu.copy import CupyCopier
+from kvpush.core.peer_copy import CopyPlan
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +68,58 @@ def allocation_range(ptr: int) -> tuple[int, int]:
     return int(base.value), int(size.value)
 
 
+_KERNEL = r"""
+extern "C" __global__ void kvpush_piece_copy(const long long* __restrict__ table,
+                                             const long long* __restrict__ ids,
+                                             long long tile, long long tiles) {
+    // Row blockIdx.y: src base, dst base, src stride, dst stride, src off, dst off,
+    // length, offset of its src ids, offset of its dst ids, count.
+    const long long* p = table + 10LL * blockIdx.y;
+    long long i = blockIdx.x / tiles, start = (blockIdx.x % tiles) * tile;
+    long long len = p[6];
+    if (i >= p[9] || start >= len) return;
+    long long n = len - start < tile ? len - start : tile;
+    unsigned long long s = (unsigned long long)(p[0] + ids[p[7] + i] * p[2] + p[4] + start);
+    unsigned long long d = (unsigned long long)(p[1] + ids[p[8] + i] * p[3] + p[5] + start);
+    if (((s | d | (unsigned long long)n) & 15ULL) == 0ULL) {
+        const uint4* __restrict__ s4 = reinterpret_cast<const uint4*>(s);
+        uint4* __restrict__ d4 = reinterpret_cast<uint4*>(d);
+        long long n4 = n >> 4, j = threadIdx.x, st = blockDim.x;
+        for (; j + 3 * st < n4; j += 4 * st) {
+            uint4 a = s4[j], b = s4[j + st], c = s4[j + 2 * st], e = s4[j + 3 * st];
+            d4[j] = a; d4[j + st] = b; d4[j + 2 * st] = c; d4[j + 3 * st] = e;
+        }
+        for (; j < n4; j += st) d4[j] = s4[j];
+    } else {
+        const unsigned char* sb = reinterpret_cast<const unsigned char*>(s);
+        unsigned char* db = reinterpret_cast<unsigned char*>(d);
+        for (long long j = threadIdx.x; j < n; j += blockDim.x) db[j] = sb[j];
+    }
+}
+"""
+THREADS = 256
+TILE = 64 << 10  # bytes per thread block: long pages are cut so the grid fills the GPU
+MAX_ROWS = 65535  # grid y
+
+
+def kernel_table(
+    pieces: np.ndarray, dst_base: np.ndarray, src: Sequence[np.ndarray], dst: Sequence[np.ndarray]
+) -> tuple[np.ndarray, int]:
+    """(one int64 buffer: the K x 10 table then every id, max(count) over rows)."""
+    ids = [*src, *dst]
+    starts = np.cumsum([0] + [len(g) for g in ids])
+    k = len(pieces)
+    table = np.empty((k, 10), dtype=np.int64)
+    table[:, :7] = pieces[:, :7]
+    table[:, 1] = dst_base
+    table[:, 7] = starts[pieces[:, 7]]
+    table[:, 8] = starts[len(src) + pieces[:, 8]]
+    counts = np.array([len(g) for g in src], dtype=np.int64)[pieces[:, 7]]
+    table[:, 9] = counts
+    buf = np.concatenate([table.ravel(), *ids]) if ids else table.ravel()
+    return buf, int(counts.max()) if k else 0
+
+
 class _Mapped:
     """A peer's exported spans, opened here: remote base -> local address."""
 
@@ -75,21 +129,22 @@ class _Mapped:
         self.sizes = np.array([spans[i].size for i in order], dtype=np.int64)
         self.local = np.array([local[i] for i in order], dtype=np.int64)
 
-    def translate(self, addr: np.ndarray, length: np.ndarray) -> np.ndarray | None:
-        """Local addresses of the peer's ranges, or None if one lies outside every span."""
-        if len(self.remote) == 1:  # the usual case: one allocation holds the whole cache
-            lo, hi = int(addr.min()), int((addr + length).max())
-            if lo < self.remote[0] or hi > self.remote[0] + self.sizes[0]:
+    def translate(self, pieces: np.ndarray, dst: Sequence[np.ndarray]) -> np.ndarray | None:
+        """Local dst bases of the rows, or None if a row's bytes leave the span it starts in."""
+        out = np.empty(len(pieces), dtype=np.int64)
+        bounds = [(int(g.min()), int(g.max())) if len(g) else None for g in dst]
+        for k, row in enumerate(pieces.tolist()):
+            base, stride, off, length, group = row[1], row[3], row[5], row[6], row[8]
+            got = bounds[group]
+            if got is None:
+                out[k] = 0
+                continue
+            lo = base + got[0] * stride + off
+            hi = base + got[1] * stride + off + length
+            i = int(np.searchsorted(self.remote, lo, side="right")) - 1
+            if i < 0 or hi > self.remote[i] + self.sizes[i]:
                 return None
-            shifted: np.ndarray = addr + (self.local[0] - self.remote[0])
-            return shifted
-        idx = np.searchsorted(self.remote, addr, side="right") - 1
-        if (idx < 0).any():
-            return None
-        off = addr - self.remote[idx]
-        if (off + length > self.sizes[idx]).any():
-            return None
-        out: np.ndarray = self.local[idx] + off
+            out[k] = base + int(self.local[i] - self.remote[i])
         return out
 
 
@@ -117,8 +172,10 @@ class CudaPeerCopy:
                     for b, n in sorted(spans.items())
                 ]
         self._export = msgspec.msgpack.encode(Exported(host_identity(), exported))
-        self.copier = CupyCopier(tensors)
-        self.stream = torch.cuda.Stream(self.device)
+        with cupy.cuda.Device(self._dev):
+            self._kernel = cupy.RawKernel(_KERNEL, "kvpush_piece_copy")
+            self._kernel.compile()
+            self.stream = cupy.cuda.Stream(non_blocking=True)
         self.peers: dict[str, _Mapped | None] = {}  # None: this peer is declined
         self._opened: dict[str, list[int]] = {}
         self.stats: Counter[str] = Counter()
@@ -126,22 +183,28 @@ class CudaPeerCopy:
     def export(self) -> bytes:
         return self._export
 
-    def copy(self, peer: str, exported: bytes, src: np.ndarray, dst: np.ndarray) -> bool:
+    def copy(self, peer: str, exported: bytes, plan: CopyPlan) -> bool:
         if peer not in self.peers:
             self.peers[peer] = self._open(peer, exported)
         mapped = self.peers[peer]
-        if mapped is None or not len(src):
-            return mapped is not None
-        local = mapped.translate(dst[:, 0], dst[:, 1])
-        if local is None:
-            self.stats["outside_export"] += 1
-            log.warning("a range for %s lies outside what it exported; writing instead", peer)
+        if mapped is None or len(plan.pieces) > MAX_ROWS:
             return False
-        import torch
-
-        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
-            self.copier.copy(src[:, 0], local, src[:, 1])
-        self.stream.synchronize()  # every byte is in D's blocks before the completion
+        if not plan.blocks:
+            return True
+        dst_base = mapped.translate(plan.pieces, plan.dst)
+        if dst_base is None:
+            self.stats["outside_export"] += 1
+            log.warning("a block of %s lies outside what it exported; writing instead", peer)
+            return False
+        buf, most = kernel_table(plan.pieces, dst_base, plan.src, plan.dst)
+        tiles = -(-int(plan.pieces[:, 6].max()) // TILE)
+        cupy = self._cupy
+        with cupy.cuda.Device(self._dev), self.stream:
+            table = cupy.asarray(buf)
+            ids = table.data.ptr + 80 * len(plan.pieces)
+            grid = (most * tiles, len(plan.pieces))
+            self._kernel(grid, (THREADS,), (table.data.ptr, ids, np.int64(TILE), np.int64(tiles)))
+            self.stream.synchronize()  # every byte is in D's blocks before the completion
         self.stats["copies"] += 1
         return True
 
@@ -166,8 +229,6 @@ class CudaPeerCopy:
             log.warning("cannot map the memory of %s (%s); writing instead", peer, e)
             self._close(opened)
             return None
-        for s, at in zip(info.spans, opened, strict=True):
-            self.copier.add_span(at, s.size)
         self._opened[peer] = opened
         self.stats["mapped"] += 1
         log.info("mapped %d allocations of %s for direct copies", len(opened), peer)
@@ -175,10 +236,7 @@ class CudaPeerCopy:
 
     def forget(self, peer: str) -> None:
         self.peers.pop(peer, None)
-        opened = self._opened.pop(peer, [])
-        for at in opened:
-            self.copier.remove_span(at)
-        self._close(opened)
+        self._close(self._opened.pop(peer, []))
 
     def _close(self, opened: list[int]) -> None:
         with self._cupy.cuda.Device(self._dev):

@@ -15,6 +15,7 @@ from kvpush.core.layout import (
     expand,
     validate_block_ids,
 )
+from kvpush.core.routing import block_pieces, pair_regions
 
 
 def layout(
@@ -120,6 +121,13 @@ def test_every_source_byte_lands_on_its_destination(data: st.DataObject) -> None
     for (sa, ln, _), (da, ln2, _) in zip(src.tolist(), dst.tolist(), strict=True):
         assert ln == ln2
         mem_d[da : da + ln] = mem_p[sa : sa + ln]
+    # The peer-copy kernel's rows move the same bytes, whatever the physical split.
+    by_pieces = np.full_like(mem_d, -1)
+    for sb, db, ss, ds, so, do, ln, _, _ in block_pieces(p, d, pair_regions(p, d)).tolist():
+        for s_id, d_id in zip(src_ids, dst_ids, strict=True):
+            at, fr = db + d_id * ds + do, sb + s_id * ss + so
+            by_pieces[at : at + ln] = mem_p[fr : fr + ln]
+    assert np.array_equal(by_pieces, mem_d)
     for r in range(2):
         for s, t in zip(src_ids, dst_ids, strict=True):
             sa = p.regions[r].base_addr + s * blen_logical

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from kvpush.core.errors import LayoutError
 from kvpush.core.layout import KVLayout, PackedMember, Region
 from kvpush.core.routing import (
+    block_pieces,
     build_pair_descs,
     coalesce,
     coalesce_equal,
@@ -106,6 +107,7 @@ def test_every_byte_reaches_exactly_its_destination(data: st.DataObject) -> None
     for j in range(d_tp):
         d_lay = rank_layout(m, d_tp, j, 1, 0)
         d_mem = np.full(size(d_lay), -1, dtype=np.int64)
+        d_mem2 = d_mem.copy()  # the same, moved by block_pieces (the peer-copy kernel's rows)
         writers = 0
         for stage in range(p_pp):
             for i in range(p_tp):
@@ -120,12 +122,17 @@ def test_every_byte_reaches_exactly_its_destination(data: st.DataObject) -> None
                 for (sa, ln, _), (da, ln2, _) in zip(s.tolist(), d.tolist(), strict=True):
                     assert ln == ln2 and ln > 0
                     d_mem[da : da + ln] = p_mem[sa : sa + ln]
+                for sb, db, ss, ds, so, do, ln, _, _ in block_pieces(p_lay, d_lay, pairs).tolist():
+                    for sid, did in zip(src, dst, strict=True):
+                        at, fr = db + did * ds + do, sb + sid * ss + so
+                        d_mem2[at : at + ln] = p_mem[fr : fr + ln]
         assert writers == p_pp * len(d_sources(j, d_tp, p_tp, att))
         expected = np.full_like(d_mem, -1)
         for pos, b in enumerate(dst):
             for layer, head, addr in _places(m, d_lay, b):
                 expected[addr : addr + CHUNK] = value(layer, head, pos, np.arange(CHUNK))
         assert np.array_equal(d_mem, expected)
+        assert np.array_equal(d_mem2, expected)
 
 
 def test_coalescing_with_equal_tp_is_one_run_per_region() -> None:
