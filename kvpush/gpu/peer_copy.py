@@ -176,6 +176,8 @@ class CudaPeerCopy:
             self._kernel = cupy.RawKernel(_KERNEL, "kvpush_piece_copy")
             self._kernel.compile()
             self.stream = cupy.cuda.Stream(non_blocking=True)
+        self._host: np.ndarray | None = None  # pinned staging of kernel tables
+        self._device_buf: Any = None
         self.peers: dict[str, _Mapped | None] = {}  # None: this peer is declined
         self._opened: dict[str, list[int]] = {}
         self.stats: Counter[str] = Counter()
@@ -200,13 +202,31 @@ class CudaPeerCopy:
         tiles = -(-int(plan.pieces[:, 6].max()) // TILE)
         cupy = self._cupy
         with cupy.cuda.Device(self._dev), self.stream:
-            table = cupy.asarray(buf)
-            ids = table.data.ptr + 80 * len(plan.pieces)
+            table = self._upload(buf)
+            ids = table + 80 * len(plan.pieces)
             grid = (most * tiles, len(plan.pieces))
-            self._kernel(grid, (THREADS,), (table.data.ptr, ids, np.int64(TILE), np.int64(tiles)))
+            args = (np.uint64(table), np.uint64(ids), np.int64(TILE), np.int64(tiles))
+            self._kernel(grid, (THREADS,), args)
             self.stream.synchronize()  # every byte is in D's blocks before the completion
         self.stats["copies"] += 1
         return True
+
+    def _upload(self, buf: np.ndarray) -> int:
+        """Copy ``buf`` to the device through a pinned buffer (both kept, grown as needed)."""
+        cupy = self._cupy
+        if self._host is None or self._host.size < buf.size:
+            n = 1 << max(12, int(buf.size - 1).bit_length())
+            mem = cupy.cuda.alloc_pinned_memory(n * 8)
+            self._host = np.frombuffer(mem, dtype=np.int64, count=n)
+            self._device_buf = cupy.empty(n, dtype=cupy.int64)
+        assert self._device_buf is not None
+        self._host[: buf.size] = buf
+        ptr = int(self._device_buf.data.ptr)
+        rt = cupy.cuda.runtime
+        rt.memcpyAsync(
+            ptr, self._host.ctypes.data, buf.nbytes, rt.memcpyHostToDevice, self.stream.ptr
+        )
+        return ptr
 
     def _open(self, peer: str, exported: bytes) -> _Mapped | None:
         try:
