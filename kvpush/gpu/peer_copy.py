@@ -85,9 +85,14 @@ extern "C" __global__ void kvpush_piece_copy(const long long* __restrict__ table
         const uint4* __restrict__ s4 = reinterpret_cast<const uint4*>(s);
         uint4* __restrict__ d4 = reinterpret_cast<uint4*>(d);
         long long n4 = n >> 4, j = threadIdx.x, st = blockDim.x;
-        for (; j + 3 * st < n4; j += 4 * st) {
-            uint4 a = s4[j], b = s4[j + st], c = s4[j + 2 * st], e = s4[j + 3 * st];
-            d4[j] = a; d4[j + st] = b; d4[j + 2 * st] = c; d4[j + 3 * st] = e;
+        // Eight 16-byte loads in flight per thread before any store: a tile of 64 KiB
+        // is two rounds of 256 threads.
+        for (; j + 7 * st < n4; j += 8 * st) {
+            uint4 r[8];
+#pragma unroll
+            for (int k = 0; k < 8; k++) r[k] = s4[j + k * st];
+#pragma unroll
+            for (int k = 0; k < 8; k++) d4[j + k * st] = r[k];
         }
         for (; j < n4; j += st) d4[j] = s4[j];
     } else {
