@@ -198,6 +198,8 @@ class Bench:
             "writes_staged": st.get("writes_staged", 0),
             "descriptors": st.get("write_descs", 0) // max(1, st.get("writes", 1)),
         }
+        if "peer_copy_us" in st:
+            res["copy_us"] = st["peer_copy_us"]  # table / launch / wait, medians
         # KV ready = D's worker reports it (after the scatter); engine = D's engine saw it.
         ready = [r.get("ready", r["engine"]) for r in runs]
         res.update(lat_summary(ready) if latency else summary(ready, n_blocks * block))

@@ -96,6 +96,7 @@ class _Child:
                 stats.update({f"staging_{k}": v for k, v in e.staging.stats.items()})
             if e.peer_copy:
                 stats.update({f"peer_copy_{k}": v for k, v in e.peer_copy.stats.items()})
+                stats["peer_copy_us"] = e.peer_copy.timing_us()
             return ("stats", e.spec.engine_id, stats)
         if kind.startswith("raw_") or kind in ("ceiling", "kernels"):
             return getattr(self, kind)(*args)
