@@ -53,7 +53,9 @@ def copy_plan(
     """Validate the ids as ``build_pair_descs`` does (D's were deduplicated on arrival)."""
     src = [as_ids(g) for g in src_groups]
     dst = [as_ids(g) for g in dst_groups]
-    validate_block_ids(p, src)
+    # Ranges only: D's ids were deduplicated on arrival, and a repeated id of our own
+    # could only copy one of our blocks twice, never outside D's registered blocks.
+    validate_block_ids(p, src, unique_known=True)
     validate_block_ids(d, dst, unique_known=True)
     nbytes = 0
     for row in pieces.tolist():

@@ -110,22 +110,31 @@ TILE = 64 << 10  # bytes per thread block: long pages are cut so the grid fills 
 MAX_ROWS = 65535  # grid y
 
 
-def kernel_table(
-    pieces: np.ndarray, dst_base: np.ndarray, src: Sequence[np.ndarray], dst: Sequence[np.ndarray]
-) -> tuple[np.ndarray, int]:
-    """(one int64 buffer: the K x 10 table then every id, max(count) over rows)."""
-    ids = [*src, *dst]
-    starts = np.cumsum([0] + [len(g) for g in ids])
+def table_len(pieces: np.ndarray, src: Sequence[np.ndarray], dst: Sequence[np.ndarray]) -> int:
+    return 10 * len(pieces) + sum(len(g) for g in src) + sum(len(g) for g in dst)
+
+
+def fill_table(
+    out: np.ndarray,
+    pieces: np.ndarray,
+    dst_base: np.ndarray,
+    src: Sequence[np.ndarray],
+    dst: Sequence[np.ndarray],
+) -> int:
+    """Write the kernel's K x 10 table, then every id, into ``out``; return max(count)."""
     k = len(pieces)
-    table = np.empty((k, 10), dtype=np.int64)
+    table = out[: 10 * k].reshape(k, 10)
+    ids = [*src, *dst]
+    starts = 10 * k + np.cumsum([0] + [len(g) for g in ids])
     table[:, :7] = pieces[:, :7]
     table[:, 1] = dst_base
-    table[:, 7] = starts[pieces[:, 7]]
-    table[:, 8] = starts[len(src) + pieces[:, 8]]
+    table[:, 7] = starts[pieces[:, 7]] - 10 * k  # offsets from the first id
+    table[:, 8] = starts[len(src) + pieces[:, 8]] - 10 * k
     counts = np.array([len(g) for g in src], dtype=np.int64)[pieces[:, 7]]
     table[:, 9] = counts
-    buf = np.concatenate([table.ravel(), *ids]) if ids else table.ravel()
-    return buf, int(counts.max()) if k else 0
+    for g, at in zip(ids, starts.tolist(), strict=False):
+        out[at : at + len(g)] = g
+    return int(counts.max()) if k else 0
 
 
 class _Mapped:
@@ -185,7 +194,9 @@ class CudaPeerCopy:
             self._kernel.compile()
             self.stream = cupy.cuda.Stream(non_blocking=True)
         self._host: np.ndarray | None = None  # pinned staging of kernel tables
-        self.mapped_table = os.environ.get("KVPUSH_PEER_COPY_TABLE", "upload") == "mapped"
+        # "mapped" (default): the kernel reads its table from pinned host memory, one CUDA
+        # call fewer per copy; "upload": copy it to the device first.
+        self.mapped_table = os.environ.get("KVPUSH_PEER_COPY_TABLE", "mapped") == "mapped"
         self._bound = 0  # the thread the device was made current on
         self.times: dict[str, deque[float]] = defaultdict(lambda: deque(maxlen=64))
         self._device_buf: Any = None
@@ -202,7 +213,7 @@ class CudaPeerCopy:
         mapped = self.peers[peer]
         if mapped is None or len(plan.pieces) > MAX_ROWS:
             return False
-        if not plan.blocks:
+        if not plan.blocks or not len(plan.pieces):
             return True
         dst_base = mapped.translate(plan.pieces, plan.dst)
         if dst_base is None:
@@ -210,13 +221,14 @@ class CudaPeerCopy:
             log.warning("a block of %s lies outside what it exported; writing instead", peer)
             return False
         t0 = time.perf_counter()
-        buf, most = kernel_table(plan.pieces, dst_base, plan.src, plan.dst)
+        host = self._host_buffer(table_len(plan.pieces, plan.src, plan.dst))
+        most = fill_table(host, plan.pieces, dst_base, plan.src, plan.dst)
         tiles = -(-int(plan.pieces[:, 6].max()) // TILE)
         if self._bound != threading.get_ident():  # once per thread: fewer CUDA calls per copy
             self._cupy.cuda.runtime.setDevice(self._dev)
             self._bound = threading.get_ident()
         with self.stream:
-            table = self._upload(buf)
+            table = self._device_table(host, table_len(plan.pieces, plan.src, plan.dst))
             t1 = time.perf_counter()
             ids = table + 80 * len(plan.pieces)
             grid = (most * tiles, len(plan.pieces))
@@ -234,23 +246,23 @@ class CudaPeerCopy:
         """Median microseconds of the copy's host stages over the last copies."""
         return {k: float(np.median(v)) for k, v in self.times.items() if v}
 
-    def _upload(self, buf: np.ndarray) -> int:
-        """Copy ``buf`` to the device through a pinned buffer (both kept, grown as needed)."""
+    def _host_buffer(self, n: int) -> np.ndarray:
+        """The pinned host buffer for kernel tables, grown (with its device twin) as needed."""
         cupy = self._cupy
-        if self._host is None or self._host.size < buf.size:
-            n = 1 << max(12, int(buf.size - 1).bit_length())
-            mem = cupy.cuda.alloc_pinned_memory(n * 8)
-            self._host = np.frombuffer(mem, dtype=np.int64, count=n)
-            self._device_buf = cupy.empty(n, dtype=cupy.int64)
-        assert self._device_buf is not None
-        self._host[: buf.size] = buf
-        if self.mapped_table:  # the kernel reads pinned memory in place (UVA): no copy call
-            return int(self._host.ctypes.data)
+        if self._host is None or self._host.size < n:
+            size = 1 << max(12, int(n - 1).bit_length())
+            mem = cupy.cuda.alloc_pinned_memory(size * 8)
+            self._host = np.frombuffer(mem, dtype=np.int64, count=size)
+            self._device_buf = None if self.mapped_table else cupy.empty(size, dtype=cupy.int64)
+        return self._host
+
+    def _device_table(self, host: np.ndarray, n: int) -> int:
+        """Where the kernel reads the table: the pinned buffer itself, or a copy on the device."""
+        if self.mapped_table:  # pinned memory is mapped for the device (UVA): no copy call
+            return int(host.ctypes.data)
+        rt = self._cupy.cuda.runtime
         ptr = int(self._device_buf.data.ptr)
-        rt = cupy.cuda.runtime
-        rt.memcpyAsync(
-            ptr, self._host.ctypes.data, buf.nbytes, rt.memcpyHostToDevice, self.stream.ptr
-        )
+        rt.memcpyAsync(ptr, host.ctypes.data, n * 8, rt.memcpyHostToDevice, self.stream.ptr)
         return ptr
 
     def _open(self, peer: str, exported: bytes) -> _Mapped | None:

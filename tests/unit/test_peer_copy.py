@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 from typing import Any
 
+import numpy as np
 import pytest
 
 from kvpush.core.peer_copy import CopyPlan
@@ -110,3 +111,29 @@ def test_forgetting_a_peer_drops_its_mapping(pair: Any) -> None:
     agent = pr.d.worker.transport.agent_name
     pr.p.worker.forget_peer(agent)
     assert hook.forgotten == [agent]
+
+
+def test_kernel_table_addresses_what_the_pieces_say() -> None:
+    """The CUDA kernel's table (gpu/peer_copy.py), read the way the kernel reads it."""
+    from kvpush.core.peer_copy import copy_plan
+    from kvpush.core.routing import block_pieces, pair_regions
+    from kvpush.gpu.peer_copy import fill_table, table_len
+    from tests.unit.test_routing import Model, rank_layout
+
+    m = Model(layers=2, heads=4, mla=False, packed=False, nblocks=16)
+    p, d = rank_layout(m, 1, 0, 1, 0), rank_layout(m, 2, 1, 1, 0)  # head slices
+    pieces = block_pieces(p, d, pair_regions(p, d))
+    plan = copy_plan(p, d, pieces, [[5, 2, 9]], [np.array([1, 7, 3])])
+    mapped = pieces[:, 1] + 10_000  # D's memory seen at another address
+    out = np.zeros(table_len(pieces, plan.src, plan.dst), dtype=np.int64)
+    most = fill_table(out, pieces, mapped, plan.src, plan.dst)
+    assert most == 3
+    table, ids = out[: 10 * len(pieces)].reshape(-1, 10), out[10 * len(pieces) :]
+    got, want = set(), set()
+    for row in table.tolist():
+        for i in range(row[9]):
+            s = row[0] + ids[row[7] + i] * row[2] + row[4]
+            d_at = row[1] + ids[row[8] + i] * row[3] + row[5]
+            got.add((int(s), int(d_at), row[6]))
+    apply_pieces(plan, lambda dst, src, n: want.add((src, dst + 10_000, n)))
+    assert got == want and len(got) == 3 * len(pieces)
