@@ -304,3 +304,24 @@ class CudaPeerCopy:
     def close(self) -> None:
         for peer in list(self._opened):
             self.forget(peer)
+
+
+def make_peer_copy(mode: str, tensors: Sequence[Any]) -> CudaPeerCopy | None:
+    """The hook for ``mode`` ("auto": when the caches are CUDA tensors and CuPy imports;
+    "on": the same, or an error; "off": None)."""
+    if mode == "off" or not tensors:
+        return None
+    flat = [
+        t for group in tensors for t in (group if isinstance(group, (list, tuple)) else [group])
+    ]
+    if any(t.device.type != "cuda" for t in flat):
+        if mode == "on":
+            raise LayoutError("peer_copy=on needs KV caches on CUDA devices")
+        return None
+    try:
+        return CudaPeerCopy(flat)
+    except Exception as e:  # no CuPy, or memory that cannot be exported (VMM allocations)
+        if mode == "on":
+            raise
+        log.warning("peer copy off (%s: %s); NIXL WRITEs only", type(e).__name__, e)
+        return None

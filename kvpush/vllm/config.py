@@ -28,6 +28,7 @@ class ConnectorOptions:
     handshake_timeout_s: float = 5.0
     registration_ttl_s: float = 60.0
     descriptor_mode: str = "coalesced"
+    peer_copy: str = "auto"  # CUDA IPC copy into same-host decoders: auto (CUDA+CuPy), on, off
     trusted_decoders: str = ""  # "host:port,host:port" of decoder side channels; empty: any
     shared_secret: str = ""
 
@@ -86,6 +87,8 @@ class ConnectorOptions:
             host, _, port = where.rpartition(":")
             if not host or not port.isdigit():
                 raise ConfigError(f"trusted_decoders entry {where!r} is not host:port")
+        if opts.peer_copy not in ("auto", "on", "off"):
+            raise ConfigError("peer_copy must be 'auto', 'on' or 'off'")
         if opts.descriptor_mode not in ("coalesced", "prepped"):
             raise ConfigError("descriptor_mode must be 'coalesced' or 'prepped'")
         return opts

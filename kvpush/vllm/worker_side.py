@@ -11,6 +11,7 @@ from kvpush.core.errors import ConfigError
 from kvpush.core.layout import KVLayout, Region
 from kvpush.core.types import StepMeta, WorkerConfig
 from kvpush.core.worker import PushWorker, make_agent_name
+from kvpush.gpu.peer_copy import make_peer_copy
 from kvpush.vllm.config import ConnectorOptions
 
 log = logging.getLogger(__name__)
@@ -116,14 +117,16 @@ class WorkerSide:
             shared_secret=self.opts.secret,
         )
         transport = NixlTransport(make_agent_name(self.engine_id, self.tp_rank))
-        self.worker = PushWorker(cfg, transport, layout)
+        hook = make_peer_copy(self.opts.peer_copy, list(kv_caches.values()))
+        self.worker = PushWorker(cfg, transport, layout, peer_copy=hook)
         log.info(
-            "kvpush worker %s rank %d: %d regions, side channel %s:%d",
+            "kvpush worker %s rank %d: %d regions, side channel %s:%d, peer copy %s",
             self.engine_id,
             self.tp_rank,
             len(layout.regions),
             cfg.host,
             cfg.port,
+            "on" if hook is not None else "off",
         )
 
     def start_step(self, meta: StepMeta | None) -> None:

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from kvpush.core.errors import ConfigError
+from kvpush.core.errors import ConfigError, LayoutError
 from kvpush.vllm.config import ConnectorOptions
 from kvpush.vllm.scheduler_side import SchedulerSide
 
@@ -27,11 +27,24 @@ def test_options_defaults_env_and_validation() -> None:
         ({"side_channel_port": 70000}, "out of range"),
         ({"watchdog_s": 0}, "must be > 0"),
         ({"descriptor_mode": "fast"}, "descriptor_mode"),
+        ({"peer_copy": "maybe"}, "peer_copy"),
         ({"trusted_decoders": "no-port"}, "not host:port"),
         ({"shared_secret": "x"}, "unknown kvpush option"),  # secrets come from the environment
     ]:
         with pytest.raises(ConfigError, match=why):
             ConnectorOptions.parse(bad, env={})
+
+
+def test_peer_copy_is_off_for_cpu_caches_and_on_demands_cuda() -> None:
+    import torch  # installed with vLLM
+
+    from kvpush.gpu.peer_copy import make_peer_copy
+
+    caches = [torch.zeros(4, 16), [torch.zeros(4, 16)]]
+    assert make_peer_copy("auto", caches) is None
+    assert make_peer_copy("off", caches) is None
+    with pytest.raises(LayoutError, match="CUDA"):
+        make_peer_copy("on", caches)
 
 
 @dataclass
