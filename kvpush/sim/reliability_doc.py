@@ -196,5 +196,10 @@ LIMITS = [
     "  timeout and the prefiller frees its blocks within the lease; a killed prefiller fails",
     "  decode requests within the handshake timeout / watchdog and the decoder frees its",
     "  blocks; each survivor serves new requests once its peer is restarted.",
+    "- **The peer-copy path (CUDA IPC, same host) is not in this matrix** (CPU machines have",
+    "  no CUDA). Its failures are unit-tested over the in-memory transport (a failed copy",
+    "  fails the transfer with `PUSH_FAIL` and frees both sides; a declined one WRITEs). P",
+    "  writes D's memory through a mapping: a decoder that exits while P copies into it can",
+    "  leave P's CUDA context with an illegal-address error.",
     "",
 ]
