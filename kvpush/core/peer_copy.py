@@ -50,7 +50,7 @@ def copy_plan(
     src_groups: Sequence[Sequence[int] | np.ndarray],
     dst_groups: Sequence[np.ndarray],
 ) -> CopyPlan:
-    """Validate the ids as ``build_pair_descs`` does (D's were deduplicated on arrival)."""
+    """The ids as arrays, range-checked against both layouts, group sizes matched."""
     src = [as_ids(g) for g in src_groups]
     dst = [as_ids(g) for g in dst_groups]
     # Ranges only: D's ids were deduplicated on arrival, and a repeated id of our own

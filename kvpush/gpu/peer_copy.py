@@ -279,8 +279,14 @@ class CudaPeerCopy:
         try:
             with self._cupy.cuda.Device(self._dev):
                 lazy = rt.cudaIpcMemLazyEnablePeerAccess
+                spans = []
                 for s in info.spans:
                     opened.append(int(rt.ipcOpenMemHandle(s.handle, lazy)))
+                    # Bounds come from what was mapped, not from what the peer claims.
+                    base, size = allocation_range(opened[-1])
+                    if base != opened[-1] or size < s.size:
+                        raise LayoutError(f"peer claims {s.size} bytes, {size} are mapped")
+                    spans.append(s)
         except Exception as e:  # not peer-accessible, same process, handle gone, ...
             self.stats["open_failed"] += 1
             log.warning("cannot map the memory of %s (%s); writing instead", peer, e)
@@ -289,7 +295,7 @@ class CudaPeerCopy:
         self._opened[peer] = opened
         self.stats["mapped"] += 1
         log.info("mapped %d allocations of %s for direct copies", len(opened), peer)
-        return _Mapped(info.spans, opened)
+        return _Mapped(spans, opened)
 
     def forget(self, peer: str) -> None:
         self.peers.pop(peer, None)
