@@ -182,8 +182,10 @@ class Consumer:
     def _on_cancel(self, rid: str, expired: bool) -> None:
         t = self.recvs.get(rid)
         if t is None:
-            if not expired:
-                self.w.emit("released", rid)
+            # Registrations and cancels share one FIFO: the receive already ended and its
+            # outcome went out. The scheduler turns that outcome into the release; a second
+            # report of the same id would crash vLLM's scheduler (it asserts one report).
+            self.w.stats["cancel_after_end"] += 1
             return
         t.aborted = t.aborted or not expired
         if t.state is State.AWAITING:

@@ -319,3 +319,32 @@ def test_handshake_refuses_incompatible_layouts(
     reason = next(i["reason"] for k, _, i in pair.d_events if k == "failed")
     assert "incompatible" in reason and why in reason, reason
     assert pair.p.worker.stats["writes"] == 0
+
+
+def test_cancel_after_the_outcome_reports_nothing_more(pair_factory: Callable[..., Pair]) -> None:
+    """vLLM asserts a finished receive is reported once: a cancel that arrives after the
+    receive already failed (its report not yet collected) must not add a "released"."""
+    from kvpush.core.types import RecvRegistration, StepMeta
+
+    pair = pair_factory()
+    worker = pair.d.worker
+    dead = free_port()  # nobody answers there: the handshake fails after its timeout
+
+    def reg(rid: str) -> StepMeta:
+        return StepMeta(registrations=[RecvRegistration(rid, [[1]], "P", "127.0.0.1", dead)])
+
+    seen: list[tuple[str, str]] = []
+
+    def collected(what: tuple[str, str]) -> bool:
+        out = worker.get_finished()
+        seen.extend(("failed", r) for r in out.failed_recving)
+        seen.extend(("released", r) for r in out.released)
+        seen.extend(("recv", r) for r in out.finished_recving)
+        return what in seen
+
+    worker.start_step(reg("r1"))
+    wait_until(lambda: collected(("failed", "r1")), 10, what="r1 to fail")
+    worker.start_step(StepMeta(cancels=["r1"]))  # an abort decided before that report
+    worker.start_step(reg("marker"))  # same FIFO: once it ends, the cancel was handled
+    wait_until(lambda: collected(("failed", "marker")), 10, what="the marker to fail")
+    assert [s for s in seen if s[1] == "r1"] == [("failed", "r1")], seen
