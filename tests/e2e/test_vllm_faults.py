@@ -68,9 +68,14 @@ def test_decoder_killed_mid_request(cluster: tuple[Cluster, str]) -> None:
         lambda: request(c.router.url, model, PROMPT, max_tokens=400, stream=True, timeout=60)
     )
     deadline = time.monotonic() + 30
-    while metric(c.d.url, "vllm:num_requests_running") < 1:  # the decode is under way
-        assert time.monotonic() < deadline, "the decode never started"
-        time.sleep(0.05)
+    # D holds the request (waiting for P's KV, ~1 s here, or decoding): kill it then. The
+    # tiny model decodes its ~200 tokens in tens of ms, too short a window to aim at.
+    while (
+        metric(c.d.url, "vllm:num_requests_running") + metric(c.d.url, "vllm:num_requests_waiting")
+        < 1
+    ):
+        assert time.monotonic() < deadline, "the decoder never took the request"
+        time.sleep(0.01)
     killed = time.monotonic()
     c.d.kill()
     th.join(ROUTER_TIMEOUT + 10)
