@@ -13,7 +13,8 @@ three passes. With a hook set on ``PushWorker.peer_copy``:
   descriptor per block. True means every byte is in D's blocks (the copy was
   waited for), and P sends the plain completion instead of posting a WRITE.
   False (another host, no mapping, a range outside what D exported) falls back
-  to the WRITE, chosen per transfer.
+  to the WRITE, for that transfer and every later one to the same peer (until
+  the peer is forgotten: a restarted decoder is asked again).
 
 D needs nothing new: the completion is the same as after a WRITE. The
 implementation lives in ``kvpush.gpu.peer_copy``; the core never imports torch.

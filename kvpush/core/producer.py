@@ -385,7 +385,8 @@ class Producer:
         return src, dst, False
 
     def _can_copy(self, peer: Peer) -> bool:
-        return self.w.peer_copy is not None and peer.info.peer_copy is not None
+        hook = self.w.peer_copy
+        return hook is not None and peer.info.peer_copy is not None and not peer.copy_declined
 
     def _copied(self, t: PushTransfer, peer: Peer, plan: CopyPlan) -> bool:
         """Copy through the peer-copy hook, then notify; False: WRITE instead."""
@@ -393,6 +394,9 @@ class Producer:
         assert hook is not None and exported is not None and t.reg is not None
         try:
             if not hook.copy(peer.agent, exported, plan):
+                # Another host, no mapping, memory D did not export: none of it changes
+                # while this peer lives, so later transfers go straight to the WRITE.
+                peer.copy_declined = True
                 self.w.stats["copy_declined"] += 1
                 return False
         except Exception as e:  # a failed kernel: nothing is known of D's blocks

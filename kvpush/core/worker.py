@@ -46,6 +46,7 @@ class Peer:
     prepped: object | None = None  # the peer's block descriptors, prepared (prepped mode)
     pairs: list[RegionPair] | None = None  # our regions into the peer's, once computed
     pieces: np.ndarray | None = None  # the same as block_pieces rows, once computed
+    copy_declined: bool = False  # the peer-copy hook cannot reach this peer: WRITE only
     writes_to_us: bool = False  # its layout was checked to write into ours
 
     @property

@@ -83,11 +83,13 @@ def test_copy_beats_staging_when_both_are_offered(pair: Any) -> None:
 @pytest.mark.parametrize("d_hook", [MemmovePeerCopy("other"), None], ids=["other-host", "no-hook"])
 def test_declined_or_absent_falls_back_to_the_write(pair: Any, d_hook: Any) -> None:
     pr = pair(MemmovePeerCopy("h1"), d_hook)
-    pr.push("r0", 5)
-    kind, info = pr.outcome("r0")
-    assert kind == "recv" and info["bad_regions"] == 0
+    for rid in ("r0", "r1"):
+        pr.push(rid, 5)
+        kind, info = pr.outcome(rid)
+        assert kind == "recv" and info["bad_regions"] == 0
     st = pr.p.worker.stats
-    assert st["writes"] == 1 and st["copies"] == 0
+    assert st["writes"] == 2 and st["copies"] == 0
+    # Declined once per peer: the second transfer goes straight to the WRITE.
     assert st["copy_declined"] == (1 if d_hook is not None else 0)
 
 
