@@ -102,6 +102,18 @@ class Pair(ABC):
             "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_port),
         }
 
+    def _launch_in_tree(self, connector: str, p_side_port: int) -> list[Proc]:
+        """A prefiller and a decoder with one of vLLM's own NIXL connectors (``<name>-prefill``
+        on core 0, ``<name>-decode`` on core 1), P's side channel on ``p_side_port``."""
+        prefill, decode = f"{self.name}-prefill", f"{self.name}-decode"
+        self.p = self._server(
+            prefill, _in_tree(connector, "kv_producer", prefill), 0, self._nixl_env(p_side_port)
+        )
+        self.d = self._server(
+            decode, _in_tree(connector, "kv_consumer", decode), 1, self._nixl_env(free_port())
+        )
+        return [self.p, self.d]
+
     def _server(self, name: str, kv: dict[str, Any], core: int, env: dict[str, str]) -> VllmServer:
         spec = ServerSpec(name, self.model, kv_config=kv, core=core, env=env, log_dir=self.log_dir)
         return VllmServer(spec)
@@ -153,21 +165,8 @@ class InTreePushPair(Pair):
     name = "push"
 
     def _launch(self) -> list[Proc]:
-        self.side = free_port()
-        conn = "NixlPushConnector"
-        self.p = self._server(
-            "push-prefill",
-            _in_tree(conn, "kv_producer", "push-prefill"),
-            0,
-            self._nixl_env(self.side),
-        )
-        self.d = self._server(
-            "push-decode",
-            _in_tree(conn, "kv_consumer", "push-decode"),
-            1,
-            self._nixl_env(free_port()),
-        )
-        return [self.p, self.d]
+        self.side = free_port()  # D's kv_transfer_params name P's side channel
+        return self._launch_in_tree("NixlPushConnector", self.side)
 
     def send(self, prompt: list[int], max_tokens: int, timeout: float) -> Sample:
         rid = uuid.uuid4().hex
@@ -213,20 +212,7 @@ class PullPair(Pair):
     name = "pull"
 
     def _launch(self) -> list[Proc]:
-        conn = "NixlConnector"
-        self.p = self._server(
-            "pull-prefill",
-            _in_tree(conn, "kv_producer", "pull-prefill"),
-            0,
-            self._nixl_env(free_port()),
-        )
-        self.d = self._server(
-            "pull-decode",
-            _in_tree(conn, "kv_consumer", "pull-decode"),
-            1,
-            self._nixl_env(free_port()),
-        )
-        return [self.p, self.d]
+        return self._launch_in_tree("NixlConnector", free_port())
 
     def send(self, prompt: list[int], max_tokens: int, timeout: float) -> Sample:
         rid = uuid.uuid4().hex
