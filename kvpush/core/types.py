@@ -123,6 +123,10 @@ class WorkerConfig:
     # "coalesced": build descriptors per WRITE, one per contiguous run (default).
     # "prepped": prepare every block's descriptor once per peer and WRITE by index.
     descriptor_mode: str = "coalesced"
+    # "thread": a writer thread does the transport work (default). "inline": no thread;
+    # start_step and get_finished do it on the engine thread (no thread wake-ups on the
+    # critical path; the engine must call get_finished regularly, e.g. every step).
+    writer: str = "thread"
     # Trust: P pushes only to decoders whose side channel ("host:port") is listed (None:
     # any), and with a shared secret every handshake peer must prove it holds the same.
     trusted_decoders: frozenset[str] | None = None
@@ -148,6 +152,8 @@ class WorkerConfig:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.handshake_workers < 1:
             raise ConfigError("handshake_workers must be >= 1")
+        if self.writer not in ("thread", "inline"):
+            raise ConfigError(f"writer must be thread or inline, not {self.writer!r}")
         if self.descriptor_mode not in ("coalesced", "prepped"):
             raise ConfigError(
                 f"descriptor_mode must be coalesced or prepped, not {self.descriptor_mode!r}"

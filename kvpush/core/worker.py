@@ -4,7 +4,10 @@ The writer thread is the only thread that touches the transport after start-up.
 The engine thread feeds it through single-consumer inboxes (``start_step``) and
 reads results back (``get_finished``). Handshakes run on a background executor;
 their done-callbacks re-enqueue the waiting operation on its replay inbox and
-wake the writer. See docs/architecture.md for the threads, queues and states.
+wake the writer. With ``writer="inline"`` there is no writer thread: the engine
+thread runs the same tick inside ``start_step`` and ``get_finished`` (no thread
+wake-ups between a finished prefill and its copy, or between a completion and
+the engine seeing it). See docs/architecture.md for the threads, queues and states.
 """
 
 from __future__ import annotations
@@ -112,8 +115,13 @@ class PushWorker:
         self._writer_idle = False
         self._writer_running = True  # cleared by the writer thread as it exits
         self._server = SideChannelServer(config.host, config.port, self.info, config.shared_secret)
-        self._thread = threading.Thread(target=self._run, name="kvpush-writer", daemon=True)
-        self._thread.start()
+        # writer="inline": the engine thread ticks in start_step / get_finished instead.
+        self.inline = config.writer == "inline"
+        self._next_tick = 0.0  # inline: when get_finished must tick even if idle
+        self._thread: threading.Thread | None = None
+        if not self.inline:
+            self._thread = threading.Thread(target=self._run, name="kvpush-writer", daemon=True)
+            self._thread.start()
 
     # ---- engine thread -------------------------------------------------------------------
 
@@ -134,11 +142,18 @@ class PushWorker:
             self.producer.evict_finished_inbox.put(rid)
         for rid, reason in meta.rejected.items():
             self.emit("failed", rid, reason)
-        self._wake.set()
+        if self.inline:
+            self._inline_tick()
+        else:
+            self._wake.set()
 
     def get_finished(self) -> WorkerOutput:
         """Collect what finished since the last call; wakes the writer to poll unless idle."""
         self._check_alive()
+        if self.inline and (
+            not self._writer_idle or self._wake.is_set() or time.monotonic() >= self._next_tick
+        ):
+            self._inline_tick()
         out = WorkerOutput()
         results = self._results
         while not results.empty():  # the engine thread is the only consumer
@@ -153,17 +168,22 @@ class PushWorker:
                 out.released.add(rid)
             elif kind == "renewed":
                 out.renewed.add(rid)
-        if not self._writer_idle:
+        if not self._writer_idle and not self.inline:
             self._wake.set()
         return out
 
     def shutdown(self) -> None:
         self._stop.set()
         self._wake.set()
-        self._thread.join(timeout=5)
+        if self._thread is not None:
+            self._thread.join(timeout=5)
         self._server.close()
         self._executor.shutdown(wait=False, cancel_futures=True)
         self.transport.close()
+
+    def writer_alive(self) -> bool:
+        """The writer thread runs (always True for writer="inline")."""
+        return self._thread is None or self._thread.is_alive()
 
     def _check_alive(self) -> None:
         # A flag the writer clears as it exits: Thread.is_alive() takes a lock every step.
@@ -308,6 +328,16 @@ class PushWorker:
                     log.exception("kvpush writer tick failed")
         finally:
             self._writer_running = False
+
+    def _inline_tick(self) -> None:
+        """writer="inline": one writer tick on the calling (engine) thread."""
+        self._wake.clear()  # set by handshake callbacks: tick at the next get_finished
+        try:
+            self._tick()
+        except Exception:  # as on the writer thread: count, log, keep the engine going
+            self.stats["writer_errors"] += 1
+            log.exception("kvpush inline tick failed")
+        self._next_tick = time.monotonic() + self._timeout()
 
     def _tick(self) -> None:
         p, c = self.producer, self.consumer

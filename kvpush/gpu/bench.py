@@ -129,13 +129,13 @@ class Bench:
 
     # ---- kvpush ----------------------------------------------------------------------------
 
-    def setup(self, block: int, staging: int, backend: str, bind: bool) -> str | None:
+    def setup(self, block: int, staging: int, backend: str, bind: bool, writer: str) -> str | None:
         n_all = self.a.total // block
         common: dict[str, Any] = {
             "regions": 1,
             "num_blocks": n_all,
             "block_bytes": block,
-            "worker": BENCH_WORKER,
+            "worker": {**BENCH_WORKER, "writer": writer},
             "staging_bytes": staging,
             "staging_backend": backend if backend != "ipc" else "auto",
             "peer_copy": backend == "ipc",
@@ -180,8 +180,9 @@ class Bench:
         latency: bool,
         tag: str = "",
         bind: bool = True,
+        writer: str = "thread",
     ) -> dict[str, Any]:
-        copier = self.setup(block, staging, backend, bind)
+        copier = self.setup(block, staging, backend, bind, writer)
         n_all = self.a.total // block
         runs, bad = [], 0.0
         for i in range(rounds):
@@ -212,16 +213,20 @@ class Bench:
         }
         return res
 
-    def modes(self, latency: bool = False) -> list[tuple[str, int, str, bool]]:
-        """(name, staging bytes, copy backend, bind the writer thread to the device)."""
-        out = [("direct", 0, "auto", True)]
+    def modes(self, latency: bool = False) -> list[tuple[str, int, str, bool, str]]:
+        """(name, staging bytes, copy backend, bind the writer thread to the device, writer)."""
+        out = [("direct", 0, "auto", True, "thread")]
         if self.a.ipc:
-            out.append(("ipc", 0, "ipc", True))  # one kernel into D's memory (CUDA IPC)
+            out.append(("ipc", 0, "ipc", True, "thread"))  # one kernel into D's memory
+        if self.a.inline:  # no writer thread: the engine thread does the work in its step
+            out.append(("direct-inline", 0, "auto", True, "inline"))
+            if self.a.ipc:
+                out.append(("ipc-inline", 0, "ipc", True, "inline"))
         for b in filter(None, self.a.backends.split(",")):
-            out.append((f"staged-{b}", self.a.total, b, True))
+            out.append((f"staged-{b}", self.a.total, b, True, "thread"))
         if latency and self.a.unbound:
-            out.append(("direct-unbound", 0, "auto", False))
-            out.append(("staged-unbound", self.a.total, "auto", False))
+            out.append(("direct-unbound", 0, "auto", False, "thread"))
+            out.append(("staged-unbound", self.a.total, "auto", False, "thread"))
         return out
 
     # ---- the whole run ---------------------------------------------------------------------
@@ -241,9 +246,9 @@ class Bench:
             n = a.total // block
             row: dict[str, Any] = {"block": block}
             row["raw"] = self._guard(self.raw, block, n, a.reps + 1, False)
-            for name, staging, backend, bind in self.modes():
+            for name, staging, backend, bind, writer in self.modes():
                 row[name] = self._guard(
-                    self.kvpush, block, n, a.reps + 1, staging, backend, False, "", bind
+                    self.kvpush, block, n, a.reps + 1, staging, backend, False, "", bind, writer
                 )
             res["throughput"].append(row)
             print(self._row(row), flush=True)
@@ -256,9 +261,12 @@ class Bench:
             sleep_s, switch_s = (float(x) for x in tune.split(":"))
             for proc in (self.P, self.D):
                 proc.call("tune", sleep_s, switch_s)
-            for name, staging, backend, bind in self.modes(latency=True):
+            for name, staging, backend, bind, writer in self.modes(latency=True):
                 key = name if i == 0 else f"{name}@{tune}"
-                got = self._guard(self.kvpush, lb, nl, rl, staging, backend, True, f"t{i}", bind)
+                tag = f"t{i}"
+                got = self._guard(
+                    self.kvpush, lb, nl, rl, staging, backend, True, tag, bind, writer
+                )
                 res["latency"][key] = {**got, "tune": tune}
         return res
 
@@ -318,6 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--backends", default="cupy,torch", help="staged copy backends to run")
     ap.add_argument("--ipc", type=int, default=1, help="also run the CUDA IPC direct copy")
+    ap.add_argument("--inline", type=int, default=1, help="also run writer=inline workers")
     ap.add_argument("--lat-block", default="64K")
     ap.add_argument("--lat-blocks", type=int, default=16)
     ap.add_argument("--lat-reps", type=int, default=50)

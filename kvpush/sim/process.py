@@ -85,7 +85,7 @@ def _handle(engine: SimEngine, conn: Connection, cmd: tuple[Any, ...]) -> None:
                 {
                     "held_blocks": engine.held_blocks(),
                     "busy": engine.busy(),
-                    "writer_alive": engine.worker._thread.is_alive(),
+                    "writer_alive": engine.worker.writer_alive(),
                     "faults": faults,
                     **engine.worker.snapshot(),
                 },

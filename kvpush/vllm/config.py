@@ -29,6 +29,7 @@ class ConnectorOptions:
     registration_ttl_s: float = 60.0
     descriptor_mode: str = "coalesced"
     peer_copy: str = "auto"  # CUDA IPC copy into same-host decoders: auto (CUDA+CuPy), on, off
+    writer: str = "thread"  # "inline": transport work on vLLM's worker thread, no writer thread
     trusted_decoders: str = ""  # "host:port,host:port" of decoder side channels; empty: any
     shared_secret: str = ""
 
@@ -91,4 +92,6 @@ class ConnectorOptions:
             raise ConfigError("peer_copy must be 'auto', 'on' or 'off'")
         if opts.descriptor_mode not in ("coalesced", "prepped"):
             raise ConfigError("descriptor_mode must be 'coalesced' or 'prepped'")
+        if opts.writer not in ("thread", "inline"):
+            raise ConfigError("writer must be 'thread' or 'inline'")
         return opts

@@ -113,6 +113,7 @@ class WorkerSide:
             handshake_timeout_s=self.opts.handshake_timeout_s,
             registration_ttl_s=self.opts.registration_ttl_s,
             descriptor_mode=self.opts.descriptor_mode,
+            writer=self.opts.writer,
             trusted_decoders=self.opts.trusted,
             shared_secret=self.opts.secret,
         )

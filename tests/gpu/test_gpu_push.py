@@ -74,8 +74,9 @@ def pair(request: pytest.FixtureRequest) -> Iterator[Pair]:
 SIZES = [1, 3, 17, 64, 200]
 
 
-def test_direct_writes_verified(pair: Pair) -> None:
-    pair.setup()
+@pytest.mark.parametrize("writer", ["thread", "inline"])
+def test_direct_writes_verified(pair: Pair, writer: str) -> None:
+    pair.setup(worker={**FAST, "writer": writer})
     rids = [(pair.push(n), n) for n in SIZES]
     for rid, n in rids:
         pair.check(rid, n)
@@ -122,10 +123,11 @@ def test_long_runs_go_direct(pair: Pair) -> None:
     assert st["writes_staged"] == 0 and st["staging_direct_long_runs"] == 2, st
 
 
-def test_ipc_copies_one_kernel_per_transfer(pair: Pair) -> None:
+@pytest.mark.parametrize("writer", ["thread", "inline"])
+def test_ipc_copies_one_kernel_per_transfer(pair: Pair, writer: str) -> None:
     if pair.p.device == "cpu":
         pytest.skip("CUDA IPC exists on CUDA devices only (the CPU pair writes through NIXL)")
-    pair.setup(peer_copy=True)
+    pair.setup(peer_copy=True, worker={**FAST, "writer": writer})
     rids = [(pair.push(n), n) for n in SIZES]
     for rid, n in rids:
         pair.check(rid, n)

@@ -49,9 +49,10 @@ def wait_held_zero(proc: EngineProcess, timeout: float) -> float:
     raise AssertionError(f"{proc.spec.engine_id} still holds blocks after {timeout}s")
 
 
-@pytest.mark.parametrize("mode", ["coalesced", "prepped"])
+@pytest.mark.parametrize("mode", ["coalesced", "prepped", "inline"])
 def test_scattered_blocks_verified_byte_for_byte(procs: list[EngineProcess], mode: str) -> None:
-    worker = {"descriptor_mode": mode}
+    # "inline": coalesced descriptors, no writer thread (the engine thread ticks).
+    worker = {"writer": "inline"} if mode == "inline" else {"descriptor_mode": mode}
     p = start(procs, "P", scattered=True, block_bytes=8192, worker=worker)
     d = start(procs, "D", scattered=True, block_bytes=8192, worker=worker)
     for i, n in enumerate([1, 3, 17, 64]):
@@ -62,7 +63,7 @@ def test_scattered_blocks_verified_byte_for_byte(procs: list[EngineProcess], mod
         assert ev[2]["bytes"] == [1, 3, 17, 64][i] * 8 * 8192
     assert wait_held_zero(p, 10) >= 0 and wait_held_zero(d, 10) >= 0
     descs = p.stats()["write_descs"]
-    if mode == "coalesced":  # one per contiguous run; random ids on both sides rarely pair up
+    if mode != "prepped":  # one per contiguous run; random ids on both sides rarely pair up
         assert 4 * 8 < descs <= (1 + 3 + 17 + 64) * 8
     else:  # one prepared row per block and region
         assert descs == (1 + 3 + 17 + 64) * 8
@@ -87,10 +88,11 @@ def test_200_concurrent_requests_random_order() -> None:
     assert s["bytes_verified"] > 0
 
 
-def test_d_killed_mid_stream_p_frees_within_lease(procs: list[EngineProcess]) -> None:
+@pytest.mark.parametrize("writer", ["thread", "inline"])
+def test_d_killed_mid_stream_p_frees_within_lease(procs: list[EngineProcess], writer: str) -> None:
     lease = 2.0
-    p = start(procs, "P", lease_s=lease)
-    d = start(procs, "D")
+    p = start(procs, "P", lease_s=lease, worker={"writer": writer})
+    d = start(procs, "D", worker={"writer": writer})
     push(p, d, "warm", 2)
     d.wait_for(lambda e: e[0] == "recv", 30)
     for i in range(10):

@@ -28,6 +28,7 @@ def test_options_defaults_env_and_validation() -> None:
         ({"watchdog_s": 0}, "must be > 0"),
         ({"descriptor_mode": "fast"}, "descriptor_mode"),
         ({"peer_copy": "maybe"}, "peer_copy"),
+        ({"writer": "fiber"}, "writer"),
         ({"trusted_decoders": "no-port"}, "not host:port"),
         ({"shared_secret": "x"}, "unknown kvpush option"),  # secrets come from the environment
     ]:
