@@ -331,9 +331,8 @@ class Producer:
         try:
             src_groups = self._source_blocks(t, reg)
             if self._can_copy(peer):
-                plan = copy_plan(
-                    self.w.layout, peer.info.layout, self.w.pieces_to(peer), src_groups, t.dst
-                )
+                w = self.w
+                plan = copy_plan(w.limits, w.limits_of(peer), w.pieces_to(peer), src_groups, t.dst)
                 if self._copied(t, peer, plan):
                     return
             src, dst, staged = self._descriptors(t, peer, reg, src_groups)

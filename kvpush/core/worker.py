@@ -30,7 +30,7 @@ from kvpush.core.consumer import Consumer
 from kvpush.core.errors import KVPushError, TransportError, WireError
 from kvpush.core.handshake import PROTOCOL_VERSION, AgentInfo, SideChannelServer, fetch_agent_info
 from kvpush.core.layout import KVLayout, block_descs, same_block_shape
-from kvpush.core.peer_copy import PeerCopyHook
+from kvpush.core.peer_copy import PeerCopyHook, group_limits
 from kvpush.core.producer import Producer
 from kvpush.core.routing import RegionPair, block_pieces, pair_regions
 from kvpush.core.staging import StagingHook
@@ -49,6 +49,7 @@ class Peer:
     prepped: object | None = None  # the peer's block descriptors, prepared (prepped mode)
     pairs: list[RegionPair] | None = None  # our regions into the peer's, once computed
     pieces: np.ndarray | None = None  # the same as block_pieces rows, once computed
+    limits: list[int] | None = None  # logical blocks per group of its layout, once computed
     copy_declined: bool = False  # the peer-copy hook cannot reach this peer: WRITE only
     writes_to_us: bool = False  # its layout was checked to write into ours
 
@@ -84,6 +85,7 @@ class PushWorker:
         if staging is not None:
             transport.register(KVLayout([staging.region], layout.block_size, 1, layout.mem_type))
         self.peer_copy = peer_copy  # optional one-kernel copy into a same-host peer
+        self.limits = group_limits(layout)  # ids of group g lie below limits[g]
         self.local_prepped: object | None = None
         if config.descriptor_mode == "prepped":
             self.local_prepped = transport.prep(None, block_descs(layout))
@@ -257,6 +259,12 @@ class PushWorker:
         if peer.pairs is None:
             peer.pairs = pair_regions(self.layout, peer.info.layout)
         return peer.pairs
+
+    def limits_of(self, peer: Peer) -> list[int]:
+        """``group_limits`` of the peer's layout (computed once)."""
+        if peer.limits is None:
+            peer.limits = group_limits(peer.info.layout)
+        return peer.limits
 
     def pieces_to(self, peer: Peer) -> np.ndarray:
         """``block_pieces`` of our regions into the peer's (computed once)."""

@@ -90,6 +90,7 @@ class Bench:
         self.P = GpuProcess(args.p_device, **kw)
         self.D = GpuProcess(args.d_device, **kw)
         self.p_port = 0
+        self._mode = ""  # the latency mode being run (for --profile)
 
     def close(self) -> None:
         self.P.stop()
@@ -185,13 +186,19 @@ class Bench:
         copier = self.setup(block, staging, backend, bind, writer)
         n_all = self.a.total // block
         runs, bad = [], 0.0
+        profile = latency and self.a.profile and tag == "t0" and self.a.profile == self._mode
         for i in range(rounds):
+            if profile and i == 1:  # P's engine thread over the timed rounds
+                self.P.call("profile", "start")
             src = self.rng.permutation(n_all)[:n_blocks]
             dst = self.rng.permutation(n_all)[:n_blocks]
             r = self.round(f"b{block}-n{n_blocks}-s{staging}-{backend}-{tag}-{i}", src, dst)
             bad += r["bad"]
             if i:
                 runs.append(r)
+        if profile:
+            text = self.P.call("profile", "stop", 25)["text"]
+            print(f"profile of P ({self._mode}, {rounds - 1} rounds):\n{text}", flush=True)
         st = self.P.call("stats")
         res: dict[str, Any] = {
             "verified": bad == 0,
@@ -263,6 +270,7 @@ class Bench:
                 proc.call("tune", sleep_s, switch_s)
             for name, staging, backend, bind, writer in self.modes(latency=True):
                 key = name if i == 0 else f"{name}@{tune}"
+                self._mode = name
                 tag = f"t{i}"
                 got = self._guard(
                     self.kvpush, lb, nl, rl, staging, backend, True, tag, bind, writer
@@ -339,6 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--unbound", type=int, default=1, help="also time unbound writer threads")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--profile", default="", help="cProfile P's engine thread in this latency mode")
     ap.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "gpu_bench.json"))
     args = ap.parse_args(argv)
     bench = Bench(args)

@@ -17,6 +17,7 @@ as NIXL's metadata already lets it (use ``shared_secret`` on shared hosts).
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import ctypes
 import logging
@@ -142,27 +143,54 @@ class _Mapped:
 
     def __init__(self, spans: Sequence[Span], local: Sequence[int]) -> None:
         order = np.argsort([s.base for s in spans])
-        self.remote = np.array([spans[i].base for i in order], dtype=np.int64)
-        self.sizes = np.array([spans[i].size for i in order], dtype=np.int64)
-        self.local = np.array([local[i] for i in order], dtype=np.int64)
+        self.remote = [spans[i].base for i in order]
+        self.sizes = [spans[i].size for i in order]
+        self.local = [local[i] for i in order]
+        self.route: _Route | None = None  # for the pieces of the last copy
 
-    def translate(self, pieces: np.ndarray, dst: Sequence[np.ndarray]) -> np.ndarray | None:
-        """Local dst bases of the rows, or None if a row's bytes leave the span it starts in."""
-        out = np.empty(len(pieces), dtype=np.int64)
-        bounds = [(int(g.min()), int(g.max())) if len(g) else None for g in dst]
-        for k, row in enumerate(pieces.tolist()):
-            base, stride, off, length, group = row[1], row[3], row[5], row[6], row[8]
-            got = bounds[group]
-            if got is None:
-                out[k] = 0
-                continue
-            lo = base + got[0] * stride + off
-            hi = base + got[1] * stride + off + length
-            i = int(np.searchsorted(self.remote, lo, side="right")) - 1
-            if i < 0 or hi > self.remote[i] + self.sizes[i]:
-                return None
-            out[k] = base + int(self.local[i] - self.remote[i])
-        return out
+
+class _Route:
+    """What every copy to one peer with the same ``block_pieces`` rows reuses.
+
+    ``head`` holds the kernel's rows with D's bases already translated to our mapping
+    (columns 7-9 change per copy); ``max_id[g]`` is the largest id of D's group g whose
+    bytes stay inside the span its id 0 lies in (-1: none do), so a copy only compares
+    the plan's ``dst_max`` with it.
+    """
+
+    def __init__(self, mapped: _Mapped, pieces: np.ndarray) -> None:
+        self.pieces = pieces
+        k = len(pieces)
+        self.head = np.zeros((k, 10), dtype=np.int64)
+        self.head[:, :7] = pieces[:, :7]
+        self.flat = self.head.reshape(-1)  # a view: the bytes copied into the table
+        groups = int(pieces[:, 8].max()) + 1 if k else 0
+        self.max_id = [1 << 62] * groups
+        for r, row in enumerate(pieces.tolist()):
+            base, stride, off, length, g = row[1], row[3], row[5], row[6], row[8]
+            lo = base + off
+            i = bisect.bisect_right(mapped.remote, lo) - 1
+            end = mapped.remote[i] + mapped.sizes[i] if i >= 0 else lo
+            fit = (end - lo - length) // stride if end >= lo + length else -1
+            self.max_id[g] = min(self.max_id[g], fit)
+            self.head[r, 1] = base + (mapped.local[i] - mapped.remote[i] if i >= 0 else 0)
+        # One group each side: every row reads ids 0..n-1 and n..2n-1 of the table.
+        self.single = k > 0 and not pieces[:, 7:9].any()
+        self.tiles = -(-int(pieces[:, 6].max()) // TILE) if k else 1
+
+    def fits(self, plan: CopyPlan) -> bool:
+        return all(m <= self.max_id[g] for g, m in enumerate(plan.dst_max) if m >= 0)
+
+    def fill(self, out: np.ndarray, plan: CopyPlan) -> int:
+        """The kernel table for ``plan`` into ``out``; returns the largest count."""
+        if not self.single:
+            return fill_table(out, plan.pieces, self.head[:, 1], plan.src, plan.dst)
+        n, k10 = len(plan.src[0]), len(self.flat)
+        self.head[:, 8:] = n  # dst ids follow the n src ids; n blocks per row
+        out[:k10] = self.flat
+        out[k10 : k10 + n] = plan.src[0]
+        out[k10 + n : k10 + 2 * n] = plan.dst[0]
+        return n
 
 
 class CudaPeerCopy:
@@ -200,6 +228,7 @@ class CudaPeerCopy:
         self._bound = 0  # the thread the device was made current on
         self.times: dict[str, deque[float]] = defaultdict(lambda: deque(maxlen=64))
         self._device_buf: Any = None
+        self._last_args: tuple[Any, tuple[Any, ...]] = (None, ())
         self.peers: dict[str, _Mapped | None] = {}  # None: this peer is declined
         self._opened: dict[str, list[int]] = {}
         self.stats: Counter[str] = Counter()
@@ -215,25 +244,28 @@ class CudaPeerCopy:
             return False
         if not plan.blocks or not len(plan.pieces):
             return True
-        dst_base = mapped.translate(plan.pieces, plan.dst)
-        if dst_base is None:
+        t0 = time.perf_counter()
+        route = mapped.route
+        if route is None or route.pieces is not plan.pieces:  # once per peer, in practice
+            route = mapped.route = _Route(mapped, plan.pieces)
+        if not route.fits(plan):
             self.stats["outside_export"] += 1
             log.warning("a block of %s lies outside what it exported; writing instead", peer)
             return False
-        t0 = time.perf_counter()
-        host = self._host_buffer(table_len(plan.pieces, plan.src, plan.dst))
-        most = fill_table(host, plan.pieces, dst_base, plan.src, plan.dst)
-        tiles = -(-int(plan.pieces[:, 6].max()) // TILE)
+        n = table_len(plan.pieces, plan.src, plan.dst)
+        host = self._host_buffer(n)
+        most = route.fill(host, plan)
         if self._bound != threading.get_ident():  # once per thread: fewer CUDA calls per copy
             self._cupy.cuda.runtime.setDevice(self._dev)
             self._bound = threading.get_ident()
         with self.stream:
-            table = self._device_table(host, table_len(plan.pieces, plan.src, plan.dst))
+            table = self._device_table(host, n)
             t1 = time.perf_counter()
-            ids = table + 80 * len(plan.pieces)
-            grid = (most * tiles, len(plan.pieces))
-            args = (np.uint64(table), np.uint64(ids), np.int64(TILE), np.int64(tiles))
-            self._kernel(grid, (THREADS,), args)
+            self._kernel(
+                (most * route.tiles, len(plan.pieces)),
+                (THREADS,),
+                self._args(table, len(route.head), route.tiles),
+            )
             t2 = time.perf_counter()
             self.stream.synchronize()  # every byte is in D's blocks before the completion
         t3 = time.perf_counter()
@@ -241,6 +273,14 @@ class CudaPeerCopy:
         for k, dt in (("table", t1 - t0), ("launch", t2 - t1), ("wait", t3 - t2)):
             self.times[k].append(dt * 1e6)
         return True
+
+    def _args(self, table: int, rows: int, tiles: int) -> tuple[Any, ...]:
+        """The kernel's arguments; the same tuple while the table stays where it is."""
+        key = (table, rows, tiles)
+        if self._last_args[0] != key:
+            ids = np.uint64(table + 80 * rows)  # the ids follow the rows of 10 int64
+            self._last_args = (key, (np.uint64(table), ids, np.int64(TILE), np.int64(tiles)))
+        return self._last_args[1]
 
     def timing_us(self) -> dict[str, float]:
         """Median microseconds of the copy's host stages over the last copies."""

@@ -39,6 +39,7 @@ class _Child:
         self.engine: Any = None
         self.raw: Any = None
         self.loop_sleep_s = 0.0
+        self.prof: Any = None
 
     def buffer(self, name: str, nbytes: int) -> Any:
         import torch
@@ -98,9 +99,27 @@ class _Child:
                 stats.update({f"peer_copy_{k}": v for k, v in e.peer_copy.stats.items()})
                 stats["peer_copy_us"] = e.peer_copy.timing_us()
             return ("stats", e.spec.engine_id, stats)
+        if kind == "profile":  # cProfile of this (engine) thread: ("start",) / ("stop", n)
+            return self.profile(*args)
         if kind.startswith("raw_") or kind in ("ceiling", "kernels"):
             return getattr(self, kind)(*args)
         return ("error", str(kind), {"reason": f"unknown command {kind!r}"})
+
+    def profile(self, action: str, top: int = 30) -> Event:
+        import cProfile
+        import io
+        import pstats
+
+        if action == "start":
+            self.prof = cProfile.Profile()
+            self.prof.enable()
+            return ("profile", "start", {})
+        self.prof.disable()
+        out = io.StringIO()
+        stats = pstats.Stats(self.prof, stream=out)
+        stats.sort_stats("tottime").print_stats(top)
+        stats.sort_stats("cumulative").print_stats(top)
+        return ("profile", "stop", {"text": out.getvalue()})
 
     # ---- raw NIXL baseline -----------------------------------------------------------------
 
@@ -341,6 +360,7 @@ class GpuProcess:
         """Send a command and wait for its reply (a non-engine event of kind ``reply_kind``)."""
         self.send(*cmd)
         kinds = {"setup": "ready", "stats": "stats", "ceiling": "ceiling", "tune": "tuned"}
+        kinds["profile"] = "profile"
         kinds["kernels"] = "kernels"
         want = kinds.get(cmd[0], "raw")
         return self.wait_for(lambda e: e[0] == want, timeout, str(cmd[0]))[2]

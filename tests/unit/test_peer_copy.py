@@ -139,3 +139,30 @@ def test_kernel_table_addresses_what_the_pieces_say() -> None:
             got.add((int(s), int(d_at), row[6]))
     apply_pieces(plan, lambda dst, src, n: want.add((src, dst + 10_000, n)))
     assert got == want and len(got) == 3 * len(pieces)
+
+
+def test_route_reuses_translated_rows_and_bounds_ids_by_the_export() -> None:
+    """The per-peer route (gpu/peer_copy.py): the fast table equals the general one, and a
+    destination id whose bytes leave what the peer exported is refused before any copy."""
+    from kvpush.core.layout import KVLayout, Region
+    from kvpush.core.peer_copy import copy_plan
+    from kvpush.core.routing import block_pieces, pair_regions
+    from kvpush.gpu.peer_copy import Span, _Mapped, _Route, fill_table, table_len
+
+    def lay(base: int) -> KVLayout:
+        return KVLayout([Region("k", base, 256, 64), Region("v", base + 256 * 64, 256, 64)], 16)
+
+    p, d = lay(1 << 20), lay(1 << 30)
+    pieces = block_pieces(p, d, pair_regions(p, d))
+    # D exported its whole K region and only the first 40 blocks of its V region.
+    spans = [Span(1 << 30, 256 * 64, b""), Span((1 << 30) + 256 * 64, 256 * 40, b"")]
+    route = _Route(_Mapped(spans, [1 << 40, 1 << 41]), pieces)
+    assert route.single and route.max_id == [39]
+    plan = copy_plan(p, d, pieces, [[5, 2, 9]], [np.array([1, 39, 3])])
+    assert route.fits(plan)
+    fast = np.zeros(table_len(pieces, plan.src, plan.dst), dtype=np.int64)
+    slow = np.zeros_like(fast)
+    assert route.fill(fast, plan) == fill_table(slow, pieces, route.head[:, 1], plan.src, plan.dst)
+    assert fast.tolist() == slow.tolist()
+    assert set(route.head[:, 1].tolist()) == {1 << 40, 1 << 41}  # D's bases, as mapped here
+    assert not route.fits(copy_plan(p, d, pieces, [[5]], [np.array([40])]))
