@@ -45,7 +45,9 @@ STAGES = (
     "push",  # matched, building the WRITE
     "gather",  # staged: plan (gather kernel) started
     "gathered",  # staged: gathered into P's staging
-    "write",  # NIXL WRITE called
+    "write",  # NIXL WRITE called (ipc: the copy started)
+    "copied",  # ipc: the copy is done
+    "notify",  # ipc: the completion is being sent
     "posted",  # NIXL WRITE posted
     "notif",  # D's writer got the completion notification
     "scatter",  # staged: scatter started
@@ -154,7 +156,7 @@ class Bench:
         P, D = self.P, self.D
         D.send("register", f"{rid}-d", rid, len(dst), "P", "127.0.0.1", self.p_port, dst.tolist())
         deadline = time.monotonic() + 60
-        while P.call("stats")["pending_registrations"] < 1:
+        while P.call("pending")["n"] < 1:
             if time.monotonic() > deadline:
                 raise TimeoutError("the registration never reached P")
             time.sleep(0.001)
@@ -197,7 +199,7 @@ class Bench:
             if i:
                 runs.append(r)
         if profile:
-            text = self.P.call("profile", "stop", 25)["text"]
+            text = self.P.call("profile", "stop", 45)["text"]
             print(f"profile of P ({self._mode}, {rounds - 1} rounds):\n{text}", flush=True)
         st = self.P.call("stats")
         res: dict[str, Any] = {

@@ -147,7 +147,7 @@ class GpuEngine:
             marks[("push", t.prid)] = time.monotonic()
             push(t)
             marks[("posted", t.prid)] = time.monotonic()
-            for name in ("gather", "gathered", "write"):
+            for name in ("gather", "gathered", "write", "copied", "notify"):
                 if (name, "") in marks:
                     marks[(name, t.prid)] = marks.pop((name, ""))
 
@@ -173,7 +173,15 @@ class GpuEngine:
 
         w.transport.write = stamp("write", w.transport.write)  # type: ignore[method-assign]
         if self.peer_copy is not None:  # the direct copy stands where the WRITE would
-            self.peer_copy.copy = stamp("write", self.peer_copy.copy)  # type: ignore[method-assign]
+            copy = stamp("write", self.peer_copy.copy)
+
+            def t_copy(*args: Any) -> Any:
+                got = copy(*args)
+                marks[("copied", "")] = time.monotonic()
+                return got
+
+            self.peer_copy.copy = t_copy  # type: ignore[method-assign,assignment]
+            w.transport.send_notif = stamp("notify", w.transport.send_notif)  # type: ignore[method-assign]
         if self.staging is not None:
             plan, unstage = self.staging.plan, self.staging.unstage
 
@@ -269,7 +277,9 @@ class GpuEngine:
         now = time.monotonic()
         for rid in out.finished_sending:
             self._give(*self.p_reqs.pop(rid))
-            marks = self._marks(rid, "pickup", "push", "gather", "gathered", "write", "posted")
+            marks = self._marks(
+                rid, "pickup", "push", "gather", "gathered", "write", "copied", "notify", "posted"
+            )
             self.events.append(("sent", rid, {"t": now, **marks}))
         for rid in out.finished_recving:
             blocks, key, owned = self.d_reqs.pop(rid)

@@ -91,6 +91,8 @@ class _Child:
             return None if e.prefill(*args) else ("nospace", args[0], {})
         if kind == "register":
             return None if e.register(*args) else ("nospace", args[0], {})
+        if kind == "pending":  # cheap: polled while a benchmark waits for a registration
+            return ("pending", e.spec.engine_id, {"n": len(e.worker.producer.pending_regs)})
         if kind == "stats":
             stats = {"held_blocks": e.held_blocks(), "busy": e.busy(), **e.worker.snapshot()}
             if e.staging is not None:
@@ -117,8 +119,8 @@ class _Child:
         self.prof.disable()
         out = io.StringIO()
         stats = pstats.Stats(self.prof, stream=out)
-        stats.sort_stats("tottime").print_stats(top)
-        stats.sort_stats("cumulative").print_stats(top)
+        stats.sort_stats("tottime").print_stats("kvpush|nixl|cupy|numpy", top)
+        stats.sort_stats("cumulative").print_stats("kvpush|nixl|cupy|numpy", top)
         return ("profile", "stop", {"text": out.getvalue()})
 
     # ---- raw NIXL baseline -----------------------------------------------------------------
@@ -361,6 +363,7 @@ class GpuProcess:
         self.send(*cmd)
         kinds = {"setup": "ready", "stats": "stats", "ceiling": "ceiling", "tune": "tuned"}
         kinds["profile"] = "profile"
+        kinds["pending"] = "pending"
         kinds["kernels"] = "kernels"
         want = kinds.get(cmd[0], "raw")
         return self.wait_for(lambda e: e[0] == want, timeout, str(cmd[0]))[2]
