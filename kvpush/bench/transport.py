@@ -10,16 +10,21 @@ WRITEs move the same blocks (P's ``src`` ids into D's ``dst`` ids), in rotating 
 - raw_runs: the same with one descriptor per run of blocks contiguous on both sides (what
   a careful hand-written NIXL caller would post).
 - kvpush: D's worker has registered ``dst`` with P (``PUSH_REG``, not timed); P's engine
-  hands its worker the finished blocks (``start_step``), timed until the writer sees the
+  hands its worker the finished blocks (``start_step``), timed until the worker sees the
   WRITE DONE (its ``transport.check``): matching, descriptors (one per contiguous run),
-  post. P's and D's engines step every ``STEP_S`` (1 ms, like vLLM's loop waiting on KV);
-  when P's engine saw ``finished_sending`` is kept too (``kvpush_engine``).
+  post. P's worker runs ``writer="inline"``: the WRITE is posted and checked on the calling
+  thread, as the raw WRITE is. P's and D's engines step every ``STEP_S`` (1 ms, like
+  vLLM's loop waiting on KV); when P's engine saw ``finished_sending`` is kept too
+  (``kvpush_engine``).
+- kvpush_thread: the same through a second P worker with the default writer thread (the
+  engine thread hands the work over; the writer posts and polls).
 
 Throughput is 256 MiB over P's time; "ready" is when D learned of it (the raw
 notification, or ``finished_recving``), on the same monotonic clock. One WRITE to the
 next varies by +-20 % here, so the ratio per pattern is the median over rounds of (the
 raw time of the round) / (the kvpush time of the same round); ``write_ratio_vs_raw`` is
-the lowest over the patterns (``_raw_runs``: the same against raw_runs). A warm-up round
+the lowest over the patterns (``_raw_runs``: the same against raw_runs;
+``write_ratio_vs_raw_thread``: kvpush_thread against raw). A warm-up round
 comes first and an untimed round last, after which D checks every byte. Patterns:
 ``contiguous`` (ids in order on both sides), ``scattered`` (random permutations on both
 sides), ``fragmented`` (runs of 1-15 blocks in random order, cut differently per side).
@@ -43,7 +48,8 @@ Log = Callable[[str], None]
 BLOCK = 64 * 1024
 MIB = 1 << 20
 PATTERNS = ("contiguous", "scattered", "fragmented")
-MODES = ("raw", "raw_runs", "kvpush")
+MODES = ("raw", "raw_runs", "kvpush", "kvpush_thread")
+KV_MODES = {"kvpush": "inline", "kvpush_thread": "thread"}  # mode -> P worker's writer
 STEP_S = float(os.environ.get("KVPUSH_BENCH_STEP_S", "1e-3"))  # engine-loop period (as vLLM's)
 
 
@@ -86,7 +92,7 @@ def fill_pattern(buf: np.ndarray) -> None:
 
 
 class _Side:
-    def __init__(self, role: str, port: int, nblocks: int) -> None:
+    def __init__(self, role: str, ports: dict[str, int], nblocks: int) -> None:
         from nixl._api import nixl_agent, nixl_agent_config
 
         from kvpush.core.layout import KVLayout, Region
@@ -101,36 +107,44 @@ class _Side:
             fill_pattern(self.buf)
         self.base = int(self.buf.ctypes.data)
         self.raw = nixl_agent(
-            f"raw{role}-{port}", nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
+            f"raw{role}-{min(ports.values())}",
+            nixl_agent_config(enable_prog_thread=False, backends=["UCX"]),
         )
         self.raw.register_memory([(self.base, self.buf.nbytes, 0, "")], "DRAM")
         layout = KVLayout([Region("kv", self.base, BLOCK, nblocks)], block_size=16)
-        cfg = WorkerConfig(engine_id=f"bench-{role}", port=port)
-        transport = NixlTransport(make_agent_name(cfg.engine_id, 0))
-        self.write_done = 0.0  # when the writer last saw a WRITE end (its transport.check)
-        check = transport.check
+        self.workers: dict[str, PushWorker] = {}
+        # When the worker last saw a WRITE end (its transport.check); its last
+        # transport.write: start, end.
+        self.write_done: dict[str, float] = {}
+        self.write_call: dict[str, tuple[float, float]] = {}
+        for mode, port in ports.items():  # P: one worker per kvpush mode; D: one
+            writer = KV_MODES[mode] if role == "p" else "thread"
+            cfg = WorkerConfig(engine_id=f"bench-{role}-{mode}", port=port, writer=writer)
+            transport = NixlTransport(make_agent_name(cfg.engine_id, 0))
+            self._time(mode, transport, WriteState)
+            self.workers[mode] = PushWorker(cfg, transport, layout)
+        self.peer = ""
+        self.peer_base = 0
 
-        def timed_check(handle: object) -> WriteState:
+    def _time(self, mode: str, transport: Any, pending: Any) -> None:
+        check, write = transport.check, transport.write
+        self.write_done[mode], self.write_call[mode] = 0.0, (0.0, 0.0)
+
+        def timed_check(handle: object) -> Any:
             state = check(handle)
-            if state is not WriteState.PENDING:
-                self.write_done = time.monotonic()
+            if state is not pending.PENDING:
+                self.write_done[mode] = time.monotonic()
             return state
-
-        transport.check = timed_check  # type: ignore[method-assign]
-        self.write_call = (0.0, 0.0)  # the writer's last transport.write: start, end
-        write = transport.write
 
         def timed_write(*args: Any) -> object:
             t = time.monotonic()
             try:
                 return write(*args)
             finally:
-                self.write_call = (t, time.monotonic())
+                self.write_call[mode] = (t, time.monotonic())
 
-        transport.write = timed_write  # type: ignore[method-assign,assignment]
-        self.worker = PushWorker(cfg, transport, layout)
-        self.peer = ""
-        self.peer_base = 0
+        transport.check = timed_check
+        transport.write = timed_write
 
     def info(self) -> dict[str, Any]:
         return {"raw_md": bytes(self.raw.get_agent_metadata()), "base": self.base}
@@ -174,40 +188,45 @@ class _Side:
             time.sleep(5e-5)
         return {"t_ready": 0.0}
 
+    @property
+    def worker(self) -> Any:  # D's only worker
+        return next(iter(self.workers.values()))
+
     def kv_register(self, rid: str, dst: list[int], p_port: int) -> None:
         from kvpush.core.types import RecvRegistration, StepMeta
 
         reg = RecvRegistration(rid, [dst], "bench-p", "127.0.0.1", p_port, transfer_id=rid)
         self.worker.start_step(StepMeta(registrations=[reg]))
 
-    def kv_wait_registered(self, n: int, timeout: float = 30.0) -> bool:
+    def kv_wait_registered(self, mode: str, n: int, timeout: float = 30.0) -> bool:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            self.worker.get_finished()
-            if self.worker.snapshot()["pending_registrations"] >= n:
+            self.workers[mode].get_finished()
+            if self.workers[mode].snapshot()["pending_registrations"] >= n:
                 return True
             time.sleep(1e-3)
         return False
 
-    def kv_push(self, rid: str, src: list[int], timeout: float = 30.0) -> dict[str, Any]:
+    def kv_push(self, mode: str, rid: str, src: list[int], timeout: float = 30.0) -> dict[str, Any]:
         from kvpush.core.types import StagedBlocks, StepMeta
 
-        descs0 = self.worker.stats["write_descs"]
+        w = self.workers[mode]
+        descs0 = w.stats["write_descs"]
         t0 = time.monotonic()
-        self.worker.start_step(StepMeta(finished=[StagedBlocks(rid, [src], rid)]))
-        out = self._until(rid, "finished_sending", timeout)
-        # t_done: the WRITE path's end (the writer saw DONE); t_engine: P's next engine step.
-        out["t_engine"], out["t_done"] = out.get("t_done", 0.0), self.write_done
-        out["t_write"], out["t_posted"] = self.write_call
-        return {"t0": t0, **out, "descs": self.worker.stats["write_descs"] - descs0}
+        w.start_step(StepMeta(finished=[StagedBlocks(rid, [src], rid)]))
+        out = self._until(w, rid, "finished_sending", timeout)
+        # t_done: the WRITE path's end (the worker saw DONE); t_engine: P's next engine step.
+        out["t_engine"], out["t_done"] = out.get("t_done", 0.0), self.write_done[mode]
+        out["t_write"], out["t_posted"] = self.write_call[mode]
+        return {"t0": t0, **out, "descs": w.stats["write_descs"] - descs0}
 
     def kv_wait(self, rid: str, timeout: float = 30.0) -> dict[str, Any]:
-        return self._until(rid, "finished_recving", timeout)
+        return self._until(self.worker, rid, "finished_recving", timeout)
 
-    def _until(self, rid: str, what: str, timeout: float) -> dict[str, Any]:
+    def _until(self, worker: Any, rid: str, what: str, timeout: float) -> dict[str, Any]:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            out = self.worker.get_finished()
+            out = worker.get_finished()
             if rid in getattr(out, what):
                 key = "t_done" if what == "finished_sending" else "t_ready"
                 return {key: time.monotonic(), "ok": True}
@@ -224,14 +243,15 @@ class _Side:
         return bool(np.array_equal(got, expect.reshape(self.nblocks, BLOCK)[src]))
 
     def close(self) -> None:
-        self.worker.shutdown()
+        for w in self.workers.values():
+            w.shutdown()
 
 
-def _child(conn: Connection, role: str, port: int, nblocks: int) -> None:
+def _child(conn: Connection, role: str, ports: dict[str, int], nblocks: int) -> None:
     import logging
 
     logging.getLogger("NIXL").setLevel(logging.WARNING)
-    side = _Side(role, port, nblocks)
+    side = _Side(role, ports, nblocks)
     conn.send(side.info())
     while True:
         cmd, *args = conn.recv()
@@ -249,11 +269,11 @@ def _child(conn: Connection, role: str, port: int, nblocks: int) -> None:
 
 
 class _Remote:
-    def __init__(self, ctx: Any, role: str, port: int, nblocks: int) -> None:
+    def __init__(self, ctx: Any, role: str, ports: dict[str, int], nblocks: int) -> None:
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_child, args=(child, role, port, nblocks), daemon=True)
+        self.proc = ctx.Process(target=_child, args=(child, role, ports, nblocks), daemon=True)
         self.proc.start()
-        self.port = port
+        self.ports = ports
 
     def call(self, *cmd: Any, timeout: float = 120.0) -> Any:
         self.conn.send(cmd)
@@ -284,13 +304,15 @@ def run_transport(
 
     nblocks = total_mib * MIB // BLOCK
     ctx = mp.get_context("spawn")
-    p = _Remote(ctx, "p", free_port(), nblocks)
-    d = _Remote(ctx, "d", free_port(), nblocks)
+    p = _Remote(ctx, "p", {m: free_port() for m in KV_MODES}, nblocks)
+    d = _Remote(ctx, "d", {"kvpush": free_port()}, nblocks)
     keys = [f"{m}{k}" for m in MODES for k in ("_s", "_ready_s")]
-    keys += ["kvpush_engine_s", "kvpush_before_write_s", "kvpush_write_call_s"]
+    for m in KV_MODES:
+        keys += [f"{m}_engine_s", f"{m}_before_write_s", f"{m}_write_call_s"]
     times: dict[str, dict[str, list[float]]] = {pat: {k: [] for k in keys} for pat in PATTERNS}
     descs: dict[str, dict[str, int]] = {}
     verified: dict[str, bool] = {}
+    equal: dict[str, bool] = {}  # every kvpush WRITE posted one descriptor per run
     seq = 0
     try:
         pinfo, dinfo = p.result(), d.result()
@@ -298,13 +320,14 @@ def run_transport(
         d.call("connect", pinfo["raw_md"], pinfo["base"])
         log(
             f"transport: {total_mib} MiB in {nblocks} blocks of 64 KiB, {rounds} rounds "
-            f"(+1 warm-up) x {len(PATTERNS)} patterns, raw, raw_runs and kvpush in rotating order"
+            f"(+1 warm-up) x {len(PATTERNS)} patterns, {', '.join(MODES)} in rotating order"
         )
         for r in range(rounds + 2):  # a warm-up round, the timed rounds, a checking round
             for pat in PATTERNS:
                 src, dst = block_lists(pat, nblocks, seed * 1000 + r)
                 last = r == rounds + 1
-                for mode in ("kvpush",) if last else MODES[r % 3 :] + MODES[: r % 3]:
+                k = r % len(MODES)
+                for mode in ("kvpush",) if last else MODES[k:] + MODES[:k]:
                     seq += 1
                     if mode.startswith("raw"):
                         d.send("raw_wait")
@@ -315,26 +338,26 @@ def run_transport(
                         rid = f"x{seq}"
                         if last:
                             d.call("zero")
-                        d.call("kv_register", rid, dst, p.port)
-                        if not p.call("kv_wait_registered", 1):
+                        d.call("kv_register", rid, dst, p.ports[mode])
+                        if not p.call("kv_wait_registered", mode, 1):
                             raise RuntimeError("P never saw D's registration")
                         d.send("kv_wait", rid)
-                        w = p.call("kv_push", rid, src)
+                        w = p.call("kv_push", mode, rid, src)
                         ready = d.result()
                         if not (w.get("ok") and ready.get("ok")):
                             raise RuntimeError(f"kvpush push failed: {w} {ready}")
-                        descs.setdefault(pat, {}).update(
-                            kvpush=int(w["descs"]), runs=runs(src, dst)
-                        )
+                        n_runs = runs(src, dst)
+                        descs.setdefault(pat, {}).update({mode: int(w["descs"]), "runs": n_runs})
+                        equal[pat] = equal.get(pat, True) and int(w["descs"]) == n_runs
                         if last:
                             verified[pat] = bool(d.call("verify", dst, src))
                     if r == 0 or last:
                         continue  # warm-up (connections, handshakes, page faults), check
                     times[pat][f"{mode}_s"].append(w["t_done"] - w["t0"])
-                    if mode == "kvpush":
-                        times[pat]["kvpush_engine_s"].append(w["t_engine"] - w["t0"])
-                        times[pat]["kvpush_before_write_s"].append(w["t_write"] - w["t0"])
-                        times[pat]["kvpush_write_call_s"].append(w["t_posted"] - w["t_write"])
+                    if mode in KV_MODES:
+                        times[pat][f"{mode}_engine_s"].append(w["t_engine"] - w["t0"])
+                        times[pat][f"{mode}_before_write_s"].append(w["t_write"] - w["t0"])
+                        times[pat][f"{mode}_write_call_s"].append(w["t_posted"] - w["t_write"])
                     times[pat][f"{mode}_ready_s"].append(ready["t_ready"] - w["t0"])
             if 0 < r <= rounds:
                 log(
@@ -342,14 +365,15 @@ def run_transport(
                     + ", ".join(
                         f"{pat} raw {_gib(total_mib, times[pat]['raw_s'][-1]):.2f} / "
                         f"{_gib(total_mib, times[pat]['raw_runs_s'][-1]):.2f} / kvpush "
-                        f"{_gib(total_mib, times[pat]['kvpush_s'][-1]):.2f} GiB/s"
+                        f"{_gib(total_mib, times[pat]['kvpush_s'][-1]):.2f} / "
+                        f"{_gib(total_mib, times[pat]['kvpush_thread_s'][-1]):.2f} GiB/s"
                         for pat in PATTERNS
                     )
                 )
     finally:
         p.stop()
         d.stop()
-    return _result(total_mib, times, descs, verified, seed)
+    return _result(total_mib, times, descs, verified, seed, equal)
 
 
 def _gib(total_mib: int, seconds: float) -> float:
@@ -362,6 +386,7 @@ def _result(
     descs: dict[str, dict[str, int]],
     verified: dict[str, bool],
     seed: int,
+    equal: dict[str, bool],
 ) -> dict[str, Any]:
     patterns: dict[str, Any] = {}
     for pat, t in times.items():
@@ -370,16 +395,21 @@ def _result(
             row[f"{mode}_gib_s"] = summary([_gib(total_mib, x) for x in t[f"{mode}_s"]], 3)
             row[f"{mode}_ms"] = summary([x * 1e3 for x in t[f"{mode}_s"]], 3)
             row[f"{mode}_ready_ms"] = summary([x * 1e3 for x in t[f"{mode}_ready_s"]], 3)
-        row["kvpush_engine_gib_s"] = summary([_gib(total_mib, x) for x in t["kvpush_engine_s"]], 3)
-        # Where kvpush's time goes: before the WRITE call (wake, matching, descriptors) and
-        # in it (NIXL's prepare and post: the copy itself, over cma, happens in the post).
-        for k in ("kvpush_before_write", "kvpush_write_call"):
-            row[f"{k}_ms"] = summary([x * 1e3 for x in t[f"{k}_s"]], 3)
+        for m in KV_MODES:
+            row[f"{m}_engine_gib_s"] = summary([_gib(total_mib, x) for x in t[f"{m}_engine_s"]], 3)
+            # Where kvpush's time goes: before the WRITE call (wake, matching, descriptors)
+            # and in it (NIXL's prepare and post: the copy itself, over cma, is in the post).
+            for k in (f"{m}_before_write", f"{m}_write_call"):
+                row[f"{k}_ms"] = summary([x * 1e3 for x in t[f"{k}_s"]], 3)
         row["ratio_of_medians"] = ratio(row["kvpush_gib_s"]["median"], row["raw_gib_s"]["median"])
         # Each round's kvpush time against the raw time measured next to it (robust to the
         # drift of a shared machine): the headline. raw_runs: the stricter comparison.
-        for base, key in (("raw", "ratio_vs_raw"), ("raw_runs", "ratio_vs_raw_runs")):
-            paired = [r / k for r, k in zip(t[f"{base}_s"], t["kvpush_s"], strict=True) if k]
+        for base, kv, key in (
+            ("raw", "kvpush", "ratio_vs_raw"),
+            ("raw_runs", "kvpush", "ratio_vs_raw_runs"),
+            ("raw", "kvpush_thread", "thread_ratio_vs_raw"),
+        ):
+            paired = [r / k for r, k in zip(t[f"{base}_s"], t[f"{kv}_s"], strict=True) if k]
             row[f"paired_{key}"] = summary(paired, 3)
             row[key] = row[f"paired_{key}"]["median"]
         row["descriptors"] = descs.get(pat, {})
@@ -387,6 +417,7 @@ def _result(
         patterns[pat] = row
     ratios = [r["ratio_vs_raw"] for r in patterns.values() if r["ratio_vs_raw"] is not None]
     strict = [r["ratio_vs_raw_runs"] for r in patterns.values() if r["ratio_vs_raw_runs"]]
+    thread = [r["thread_ratio_vs_raw"] for r in patterns.values() if r["thread_ratio_vs_raw"]]
     return {
         "total_mib": total_mib,
         "block_bytes": BLOCK,
@@ -394,6 +425,6 @@ def _result(
         "patterns": patterns,
         "write_ratio_vs_raw": min(ratios) if ratios else None,
         "write_ratio_vs_raw_runs": min(strict) if strict else None,
-        "descriptors_equal_runs": all(d.get("kvpush") == d.get("runs") for d in descs.values())
-        and bool(descs),
+        "write_ratio_vs_raw_thread": min(thread) if thread else None,
+        "descriptors_equal_runs": all(equal.values()) and bool(descs),
     }
