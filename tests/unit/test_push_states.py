@@ -92,11 +92,13 @@ def recv_ok(pair: Pair, rid: str) -> bool:
 
 @pytest.mark.parametrize("p_first", [True, False])
 @pytest.mark.parametrize("tid", ["tid-1", None])
-@pytest.mark.parametrize("mode", ["coalesced", "prepped"])
+@pytest.mark.parametrize("mode", ["coalesced", "prepped", "inline"])
 def test_both_arrival_orders(
     pair_factory: Callable[..., Pair], p_first: bool, tid: str | None, mode: str
 ) -> None:
-    pair = pair_factory(worker={"descriptor_mode": mode})
+    pair = pair_factory(
+        worker={"writer": "inline"} if mode == "inline" else {"descriptor_mode": mode}
+    )
     if p_first:
         pair.p.prefill("cmpl-x-0-aaaaaaaa", tid, 6)  # type: ignore[arg-type]
         pair.until(lambda: len(pair.p.worker.producer.staged) == 1)
@@ -348,3 +350,35 @@ def test_cancel_after_the_outcome_reports_nothing_more(pair_factory: Callable[..
     worker.start_step(reg("marker"))  # same FIFO: once it ends, the cancel was handled
     wait_until(lambda: collected(("failed", "marker")), 10, what="the marker to fail")
     assert [s for s in seen if s[1] == "r1"] == [("failed", "r1")], seen
+
+
+def test_inline_writer_works_on_the_engine_thread_and_idles_cheaply(
+    pair_factory: Callable[..., Pair],
+) -> None:
+    pair = pair_factory(worker={"writer": "inline"})
+    w = pair.p.worker
+    assert w._thread is None and w.writer_alive()  # no writer thread, nothing to die
+    ticks: list[int] = []
+    tick = w._tick
+
+    def counted() -> None:
+        ticks.append(threading.get_ident())
+        tick()
+
+    w._tick = counted  # type: ignore[method-assign]
+    pair.register("d1", "t1", 4)
+    pair.until(
+        lambda: len(w.producer.pending_regs) == 1 and bool(w.peers_by_agent),
+        what="registration on P and P connected to D",
+    )
+    pair.p.prefill("p1", "t1", 4)
+    pair.p.step()  # its start_step matches and WRITEs before it returns
+    assert w.stats["writes"] == 1
+    pair.until(lambda: recv_ok(pair, "d1"), what="verified receive")
+    pair.settle()
+    assert set(ticks) == {threading.get_ident()}
+    # Idle: get_finished reads the clock and returns; a tick only when the idle timer is due.
+    before = len(ticks)
+    for _ in range(50):
+        w.get_finished()
+    assert len(ticks) <= before + 1
