@@ -23,7 +23,6 @@ Every server gets its own core for its OpenMP threads and ``--no-enable-prefix-c
 from __future__ import annotations
 
 import json
-import os
 import threading
 import time
 import urllib.error
@@ -149,10 +148,8 @@ class KvpushPair(Pair):
 
     def _launch(self) -> list[Proc]:
         side = free_port()
-        extra = {"writer": os.environ.get("KVPUSH_BENCH_WRITER", "thread")}
-        p = self._server("prefill", kvpush_config("kv_producer", "prefill", side, **extra), 0, {})
-        d_cfg = kvpush_config("kv_consumer", "decode", free_port(), **extra)
-        d = self._server("decode", d_cfg, 1, {})
+        p = self._server("prefill", kvpush_config("kv_producer", "prefill", side), 0, {})
+        d = self._server("decode", kvpush_config("kv_consumer", "decode", free_port()), 1, {})
         self.router = RouterProc(p.url, d.url, f"127.0.0.1:{side}", self.log_dir)
         return [p, d, self.router]
 
