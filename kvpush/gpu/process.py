@@ -4,7 +4,8 @@ The child owns its device buffers for its whole life (KV memory and staging,
 grown on demand) and can be set up again with another GpuSpec (a new agent
 over the same memory), so a benchmark pays process start and CUDA init once.
 Commands (tuples): ("setup", spec), ("prefill", rid, tid, n, blocks),
-("register", rid, tid, n, p_engine, p_host, p_port, blocks), ("stats",),
+("register", rid, tid, n, p_engine, p_host, p_port, blocks), ("stats",), ("pending",),
+("profile", "start" | "stop", top), ("tune", sleep_s, switch_s),
 ("raw_open", role, nbytes), ("raw_connect", md), ("raw_write", ...), ("raw_wait", n, timeout),
 ("raw_fill", ids, block, key, poison), ("raw_verify", ids, block, key), ("ceiling", nbytes,
 dst_device, reps), ("stop",). Replies and engine events are (kind, id, dict).
