@@ -29,7 +29,10 @@ class ConnectorOptions:
     registration_ttl_s: float = 60.0
     descriptor_mode: str = "coalesced"
     peer_copy: str = "auto"  # CUDA IPC copy into same-host decoders: auto (CUDA+CuPy), on, off
-    writer: str = "thread"  # "inline": transport work on vLLM's worker thread, no writer thread
+    # "inline" (default): the transport work runs inside the connector's per-step calls on
+    # vLLM's worker thread (vLLM steps while any push is pending on either side);
+    # "thread": a writer thread per rank does it.
+    writer: str = "inline"
     trusted_decoders: str = ""  # "host:port,host:port" of decoder side channels; empty: any
     shared_secret: str = ""
 
