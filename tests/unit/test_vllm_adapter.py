@@ -15,7 +15,8 @@ from kvpush.vllm.scheduler_side import SchedulerSide
 def test_options_defaults_env_and_validation() -> None:
     o = ConnectorOptions.parse({}, env={})
     assert o.side_channel_port == 5600 and o.trusted is None and o.secret is None
-    assert o.writer == "inline" and ConnectorOptions.parse({"writer": "thread"}, env={}).writer
+    assert o.writer == "inline"
+    assert ConnectorOptions.parse({"writer": "thread"}, env={}).writer == "thread"
     o = ConnectorOptions.parse(
         {"side_channel_port": "5701", "trusted_decoders": ["10.0.0.2:5800", "h:5801"]},
         env={"KVPUSH_SHARED_SECRET": "abc", "KVPUSH_SIDE_CHANNEL_HOST": "0.0.0.0"},
