@@ -80,8 +80,8 @@ def _engine(eng: dict[str, Any]) -> list[str]:
         f"`ignore_eos`, timeout {o['timeout_s']:g} s, failures counted). Times are the "
         "client's, in ms: median (p90).",
         "",
-        "- **kvpush**: kvpush's connector on both servers, kvpush's router in front, "
-        "both legs at once.",
+        "- **kvpush**: kvpush's connector on both servers with its defaults (`writer: "
+        "inline`), kvpush's router in front, both legs at once.",
         "- **vLLM push**: `NixlPushConnector` on both servers, driven by the benchmark's "
         "client: prefill leg (`max_tokens=1`, `do_remote_decode`) and streamed decode leg "
         "(`do_remote_prefill`, `remote_engine_id`, `remote_request_id`, `remote_host`, "
@@ -235,7 +235,9 @@ def _steps(sc: dict[str, Any]) -> list[str]:
         "the calls from the steps in between. In flight on P: finished prefills waiting for "
         "D; on D: registrations waiting for P's WRITE (P alive, heartbeating). The "
         "scheduler-side calls run in vLLM's engine-core process, the worker-side ones in "
-        "the worker process; `total` adds both. Not counted: vLLM's own wrappers "
+        "the worker process; `total` adds both. The connector runs its defaults (`writer: "
+        "inline`: with pushes in flight, `get_finished` also runs the worker's tick, i.e. the "
+        "notification poll, WRITE checks and timers). Not counted: vLLM's own wrappers "
         "(`KVPushMeta`, `KVConnectorTransferResults`) and its pickling of the metadata (shown).",
         "",
     ]
