@@ -110,24 +110,42 @@ def as_ids(ids: Sequence[int] | np.ndarray) -> np.ndarray:
         raise LayoutError(f"block ids must be integers: {e}") from e
 
 
+def group_limits(layout: KVLayout) -> list[int]:
+    """Logical blocks per group: what ids of each group must stay below (0: no region)."""
+    counts: list[list[int]] = [[] for _ in range(layout.groups)]
+    for r in layout.regions:
+        counts[r.group].append(r.num_blocks)
+    return [min(c) // layout.physical_per_logical if c else 0 for c in counts]
+
+
 def validate_block_ids(
-    layout: KVLayout, groups: Sequence[Sequence[int] | np.ndarray], unique_known: bool = False
-) -> None:
+    layout: KVLayout | Sequence[int],
+    groups: Sequence[Sequence[int] | np.ndarray],
+    unique_known: bool = False,
+) -> list[int]:
     """Raise LayoutError if the logical ids do not fit ``layout`` (range, duplicates, groups).
 
+    ``layout`` may be given as its ``group_limits`` (computed once per peer).
     ``unique_known``: the ids were checked for duplicates already (a decoded PUSH_REG).
+    Returns the largest id of each group (-1 when empty).
     """
-    if len(groups) != layout.groups:
-        raise LayoutError(f"{len(groups)} block-id groups for a layout of {layout.groups}")
+    limits = group_limits(layout) if isinstance(layout, KVLayout) else layout
+    if len(groups) != len(limits):
+        raise LayoutError(f"{len(groups)} block-id groups for a layout of {len(limits)}")
+    most = []
     for g, ids in enumerate(groups):
         if not len(ids):
+            most.append(-1)
             continue
         arr = as_ids(ids)
-        limit = layout.num_logical_blocks(g)
-        if arr.min() < 0 or arr.max() >= limit:
+        limit = limits[g]
+        hi = int(arr.max())
+        if hi >= limit or int(arr.min()) < 0:
             raise LayoutError(f"group {g}: block id outside [0, {limit})")
         if not unique_known and _has_duplicates(arr, limit):
             raise LayoutError(f"group {g}: duplicate block ids")
+        most.append(hi)
+    return most
 
 
 def _has_duplicates(arr: np.ndarray, limit: int) -> bool:

@@ -30,7 +30,7 @@ from typing import Protocol
 import numpy as np
 
 from kvpush.core.errors import LayoutError
-from kvpush.core.layout import KVLayout, as_ids
+from kvpush.core.layout import KVLayout, as_ids, validate_block_ids
 
 
 @dataclass(frozen=True)
@@ -43,14 +43,6 @@ class CopyPlan:
     blocks: int  # logical blocks moved
     nbytes: int
     dst_max: list[int]  # the largest of dst[g] (-1 when empty): what the hook bounds-checks
-
-
-def group_limits(layout: KVLayout) -> list[int]:
-    """Logical blocks per group: what ids of each group must stay below (0: no region)."""
-    counts: list[list[int]] = [[] for _ in range(layout.groups)]
-    for r in layout.regions:
-        counts[r.group].append(r.num_blocks)
-    return [min(c) // layout.physical_per_logical if c else 0 for c in counts]
 
 
 def copy_plan(
@@ -68,10 +60,8 @@ def copy_plan(
     """
     src = [as_ids(g) for g in src_groups]
     dst = [as_ids(g) for g in dst_groups]
-    p_lim = group_limits(p) if isinstance(p, KVLayout) else p
-    d_lim = group_limits(d) if isinstance(d, KVLayout) else d
-    _in_range(src, p_lim)
-    dst_max = _in_range(dst, d_lim)
+    validate_block_ids(p, src, unique_known=True)
+    dst_max = validate_block_ids(d, dst, unique_known=True)
     nbytes = 0
     for row in pieces.tolist():
         n, sg, dg = row[6], row[7], row[8]
@@ -80,22 +70,6 @@ def copy_plan(
             raise LayoutError(f"group {sg}: {have} source blocks, {want} destination")
         nbytes += n * len(src[sg])
     return CopyPlan(pieces, src, dst, sum(len(g) for g in src), nbytes, dst_max)
-
-
-def _in_range(groups: list[np.ndarray], limits: list[int]) -> list[int]:
-    """Raise LayoutError unless every id of group g lies in [0, limits[g]); the maxima."""
-    if len(groups) != len(limits):
-        raise LayoutError(f"{len(groups)} block-id groups for a layout of {len(limits)}")
-    most = []
-    for g, ids in enumerate(groups):
-        if not len(ids):
-            most.append(-1)
-            continue
-        hi = int(ids.max())
-        if hi >= limits[g] or int(ids.min()) < 0:
-            raise LayoutError(f"group {g}: block id outside [0, {limits[g]})")
-        most.append(hi)
-    return most
 
 
 class PeerCopyHook(Protocol):

@@ -29,8 +29,8 @@ from kvpush.core import wire
 from kvpush.core.consumer import Consumer
 from kvpush.core.errors import KVPushError, TransportError, WireError
 from kvpush.core.handshake import PROTOCOL_VERSION, AgentInfo, SideChannelServer, fetch_agent_info
-from kvpush.core.layout import KVLayout, block_descs, same_block_shape
-from kvpush.core.peer_copy import PeerCopyHook, group_limits
+from kvpush.core.layout import KVLayout, block_descs, group_limits, same_block_shape
+from kvpush.core.peer_copy import PeerCopyHook
 from kvpush.core.producer import Producer
 from kvpush.core.routing import RegionPair, block_pieces, pair_regions
 from kvpush.core.staging import StagingHook
