@@ -329,22 +329,21 @@ class PushWorker:
             while not self._stop.is_set():
                 self._wake.wait(self._timeout())
                 self._wake.clear()
-                try:
-                    self._tick()
-                except Exception:
-                    self.stats["writer_errors"] += 1
-                    log.exception("kvpush writer tick failed")
+                self._guarded_tick()
         finally:
             self._writer_running = False
+
+    def _guarded_tick(self) -> None:
+        try:
+            self._tick()
+        except Exception:  # count, log, keep the writer (or the engine, inline) going
+            self.stats["writer_errors"] += 1
+            log.exception("kvpush writer tick failed")
 
     def _inline_tick(self) -> None:
         """writer="inline": one writer tick on the calling (engine) thread."""
         self._wake.clear()  # set by handshake callbacks: tick at the next get_finished
-        try:
-            self._tick()
-        except Exception:  # as on the writer thread: count, log, keep the engine going
-            self.stats["writer_errors"] += 1
-            log.exception("kvpush inline tick failed")
+        self._guarded_tick()
         self._next_tick = time.monotonic() + self._timeout()
 
     def _tick(self) -> None:
