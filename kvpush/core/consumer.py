@@ -23,7 +23,7 @@ from kvpush.core.routing import d_sources
 from kvpush.core.types import RecvRegistration, State, transition
 
 if TYPE_CHECKING:
-    from kvpush.core.worker import PushWorker
+    from kvpush.core.worker import Peer, PushWorker
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +43,7 @@ class RecvTransfer:
     done_from: set[str] = field(default_factory=set)  # sources with nothing in flight
     fail_reason: str = ""  # failing: waiting for the other sources before reporting it
     aborted: bool = False
+    lanes: list[int] = field(default_factory=list)  # our lane's words reserved for sources
 
     @property
     def p_agent(self) -> str | None:
@@ -133,8 +134,8 @@ class Consumer:
             self._end(t, State.FAILED, "failed", f"prefiller's KV layout is incompatible: {e}")
             return
         msg = self._push_reg(r)
-        for peer in ready:
-            if not self.w.notify(peer.agent, msg):
+        for peer, (_, src) in zip(ready, ranks, strict=True):
+            if not self.w.notify(peer.agent, self._with_lane(t, msg, peer, src)):
                 self._end(
                     t, State.FAILED, "failed", f"could not send the registration to {peer.agent}"
                 )
@@ -142,6 +143,33 @@ class Consumer:
         t.agents = [p.agent for p in ready]
         t.sources = [p.agent for p, (_, src) in zip(ready, ranks, strict=True) if src]
         transition(t, State.AWAITING, t.name, f"registered with {len(t.agents)} P ranks")
+
+    def _with_lane(self, t: RecvTransfer, msg: wire.PushReg, peer: Peer, src: bool) -> wire.PushReg:
+        """``msg`` with a word of our lane for a source that can copy into us directly."""
+        lane = self.w.lane
+        if lane is None or not src or peer.info.peer_copy is None:
+            return msg
+        got = lane.reserve((t.rid, peer.agent))
+        if got is None:
+            self.w.stats["lane_full"] += 1
+            return msg
+        t.lanes.append(got[0])
+        return msgspec.structs.replace(msg, lane=wire.LaneSlot(*got))
+
+    def poll_lane(self) -> int:
+        """End the receives whose sources' copies wrote their lane words; returns how many
+        words were seen."""
+        lane = self.w.lane
+        if lane is None or not lane.waiting:
+            return 0
+        seen = lane.poll()
+        self.w.stats["lane_done"] += len(seen)
+        for rid, agent in seen:
+            t = self.recvs.get(rid)
+            if t is not None:
+                t.lanes = [s for s in t.lanes if s in lane.waiting]
+                self._completed(t, agent, staged=False)
+        return len(seen)
 
     def _in_use(self, agent: str) -> bool:
         return any(
@@ -224,6 +252,10 @@ class Consumer:
             self.w.stats["completion_unknown"] += 1
             log.warning("completion for unknown request %s from %s", c.request_id, sender)
             return
+        self._completed(t, sender, isinstance(c, wire.StagedDone))
+
+    def _completed(self, t: RecvTransfer, sender: str, staged: bool) -> None:
+        """A source says every byte of its part is in our blocks (or nothing was due)."""
         if sender not in t.sources or sender in t.done_from:
             self.w.stats["completion_wrong_sender"] += 1
             log.warning(
@@ -237,7 +269,7 @@ class Consumer:
         if t.state is State.CANCELLING:
             self._settle(t)
             return
-        if isinstance(c, wire.StagedDone) and not self._unstage(t):
+        if staged and not self._unstage(t):
             return
         if t.quiet:
             self.w.stats["recv_done"] += 1
@@ -306,6 +338,9 @@ class Consumer:
         if state is State.FAILED or state is State.EXPIRED:
             log.warning("receive %s ended %s: %s", t.name, state.value, reason)
         self.recvs.pop(t.rid, None)
+        if self.w.lane is not None:
+            for slot in t.lanes:
+                self.w.lane.release(slot)
         if self.w.staging is not None:
             self.w.staging.release_recv(t.rid)
         self.w.emit(kind, t.rid, reason)

@@ -38,6 +38,8 @@ class AgentInfo(msgspec.Struct, kw_only=True):
     staging: Region | None = None  # the staging buffer, when the worker has a staging hook
     # What a process on the same host needs to map our KV memory (core/peer_copy.py).
     peer_copy: Annotated[bytes, msgspec.Meta(max_length=1 << 20)] | None = None
+    # The name of our completion lane (core/lane.py), when we receive direct copies.
+    lane: Annotated[str, msgspec.Meta(max_length=64)] | None = None
 
 
 class HandshakeRequest(msgspec.Struct, kw_only=True):

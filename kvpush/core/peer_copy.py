@@ -7,18 +7,22 @@ three passes. With a hook set on ``PushWorker.peer_copy``:
 
 * every worker advertises ``export()`` in its handshake (``AgentInfo.peer_copy``):
   what a process on the same host needs to map its KV memory;
-* P, for each transfer, hands ``copy`` a ``CopyPlan``: the block ids (validated)
-  and the peer's ``block_pieces`` rows (which bytes of a block go where, once per
-  peer), so a kernel expands them on the device instead of the host building a
-  descriptor per block. True means every byte is in D's blocks (the copy was
-  waited for), and P sends the plain completion instead of posting a WRITE.
-  False (another host, no mapping, a range outside what D exported) falls back
-  to the WRITE, for that transfer and every later one to the same peer (until
-  the peer is forgotten: a restarted decoder is asked again).
+* P, as soon as D's registration arrives (or when its blocks are ready, if they
+  came first), hands ``prepare`` a ``CopyDst``: D's block ids (range-checked) and the
+  peer's ``block_pieces`` rows (which bytes of a block go where, once per peer), so a
+  kernel expands them on the device instead of the host building a descriptor per
+  block. None (another host, no mapping, a range outside what D exported) falls back
+  to the WRITE, for that transfer and every later one to the same peer (until the
+  peer is forgotten: a restarted decoder is asked again);
+* when P's blocks are ready, ``launch`` starts the copy from them. If D offered a
+  word of its completion lane (core/lane.py) the copy writes it after the last byte
+  and the core only polls ``finished`` to free P's blocks; otherwise the hook waits
+  and P sends the plain completion instead of posting a WRITE.
 
-D needs nothing new: the completion is the same as after a WRITE. The
-implementation lives in ``kvpush.gpu.peer_copy``; the core never imports torch.
-``copy`` and ``forget`` are called on the writer thread only.
+D needs nothing new beyond the lane: a copy ends the receive exactly as a WRITE's
+completion does. The implementation lives in ``kvpush.gpu.peer_copy``; the core
+never imports torch. The hook is called on the writer thread only (the engine
+thread with ``writer="inline"``).
 """
 
 from __future__ import annotations
@@ -30,46 +34,81 @@ from typing import Protocol
 import numpy as np
 
 from kvpush.core.errors import LayoutError
-from kvpush.core.layout import KVLayout, as_ids, validate_block_ids
+from kvpush.core.layout import KVLayout, as_ids, group_limits, validate_block_ids
 
 
 @dataclass(frozen=True)
-class CopyPlan:
-    """One transfer for a peer-copy hook (see ``routing.block_pieces`` for ``pieces``)."""
+class Signal:
+    """Where the copy reports its end: write ``gen`` into word ``slot`` of D's lane."""
+
+    lane: str  # the lane's name (core/lane.py)
+    slot: int
+    gen: int
+
+
+@dataclass(frozen=True)
+class CopyDst:
+    """D's half of a copy, checked once: ready before P's blocks are (``copy_dst``)."""
 
     pieces: np.ndarray  # Kx9 rows, PIECE_COLUMNS
-    src: list[np.ndarray]  # our logical block ids, per group
-    dst: list[np.ndarray]  # the peer's, per group; pieces pair src[g] with dst[g']
-    blocks: int  # logical blocks moved
-    nbytes: int
+    dst: list[np.ndarray]  # the peer's ids, per group; pieces pair src[g] with dst[g']
     dst_max: list[int]  # the largest of dst[g] (-1 when empty): what the hook bounds-checks
+    signal: Signal | None  # None: the hook waits and the core sends the completion
+    # One group each side (the common case): every row pairs src[0] with dst[0].
+    single: bool
+    row_bytes: list[int]  # bytes each row moves per block
 
 
-def copy_plan(
-    p: KVLayout | list[int],
+def copy_dst(
     d: KVLayout | list[int],
     pieces: np.ndarray,
-    src_groups: Sequence[Sequence[int] | np.ndarray],
     dst_groups: Sequence[np.ndarray],
-) -> CopyPlan:
-    """The ids as arrays, range-checked against both layouts, group sizes matched.
+    signal: Signal | None = None,
+) -> CopyDst:
+    """D's ids as arrays, range-checked against D's layout (or its ``group_limits``).
 
-    ``p`` and ``d`` may be given as their ``group_limits`` (computed once per peer).
-    Ranges only: D's ids were deduplicated on arrival, and a repeated id of our own
-    could only copy one of our blocks twice, never outside D's registered blocks.
+    Ranges only: D's ids were deduplicated on arrival (a decoded PUSH_REG).
     """
-    src = [as_ids(g) for g in src_groups]
     dst = [as_ids(g) for g in dst_groups]
-    validate_block_ids(p, src, unique_known=True)
     dst_max = validate_block_ids(d, dst, unique_known=True)
+    single = len(dst) == 1 and not pieces[:, 7:9].any()
+    return CopyDst(pieces, dst, dst_max, signal, single, pieces[:, 6].tolist())
+
+
+def copy_src(
+    p: KVLayout | list[int], cd: CopyDst, src_groups: Sequence[Sequence[int] | np.ndarray]
+) -> tuple[list[Sequence[int] | np.ndarray], int]:
+    """Our ids, range-checked and matched with D's group sizes; and the bytes they move.
+
+    The ids come back as given (a list or an int64 array): the hook copies them once.
+    A repeated id of our own could only copy one of our blocks twice, never outside
+    D's registered blocks.
+    """
+    limits = p if isinstance(p, list) else group_limits(p)
+    if cd.single and len(src_groups) == 1 and len(limits) == 1:
+        ids = src_groups[0]
+        n = len(ids)
+        if n != len(cd.dst[0]):
+            raise LayoutError(f"group 0: {n} source blocks, {len(cd.dst[0])} destination")
+        if n:  # builtins on a short list: a numpy reduction costs microseconds each
+            vals = ids.tolist() if isinstance(ids, np.ndarray) and n <= 256 else ids
+            if isinstance(vals, np.ndarray):
+                hi, lo = int(vals.max()), int(vals.min())
+            else:
+                hi, lo = max(vals), min(vals)
+            if hi >= limits[0] or lo < 0:
+                raise LayoutError(f"group 0: block id outside [0, {limits[0]})")
+        return [ids], n * sum(cd.row_bytes)
+    src = [as_ids(g) for g in src_groups]
+    validate_block_ids(limits, src, unique_known=True)
     nbytes = 0
-    for row in pieces.tolist():
-        n, sg, dg = row[6], row[7], row[8]
-        if len(src[sg]) != len(dst[dg]):
-            have, want = len(src[sg]), len(dst[dg])
+    for row, n in zip(cd.pieces.tolist(), cd.row_bytes, strict=True):
+        sg, dg = row[7], row[8]
+        if len(src[sg]) != len(cd.dst[dg]):
+            have, want = len(src[sg]), len(cd.dst[dg])
             raise LayoutError(f"group {sg}: {have} source blocks, {want} destination")
         nbytes += n * len(src[sg])
-    return CopyPlan(pieces, src, dst, sum(len(g) for g in src), nbytes, dst_max)
+    return list(src), nbytes
 
 
 class PeerCopyHook(Protocol):
@@ -77,12 +116,25 @@ class PeerCopyHook(Protocol):
         """What a peer on this host needs to map our KV memory (opaque to the core)."""
         ...
 
-    def copy(self, peer: str, exported: bytes, plan: CopyPlan) -> bool:
-        """Move ``plan`` into the peer's memory and wait for it.
+    def prepare(self, peer: str, exported: bytes, dst: CopyDst) -> object | None:
+        """Get a copy into the peer ready before our blocks are (called when D registers).
 
-        ``exported`` is the peer's ``export()``. Returns False, having copied nothing,
-        when this peer cannot be reached this way; raises if a started copy failed.
+        ``exported`` is the peer's ``export()``. None when this peer cannot be reached
+        this way (another host, no mapping, a block outside what it exported).
         """
+        ...
+
+    def launch(self, prepared: object, src: Sequence[Sequence[int] | np.ndarray]) -> bool:
+        """Start moving our blocks ``src`` (checked by ``copy_src``) into the peer's.
+
+        True: the copy runs on, and writes ``dst.signal`` once every byte has landed
+        (``finished`` says when). False: the copy was waited for (no signal). Raises,
+        having written nothing, when it cannot start.
+        """
+        ...
+
+    def finished(self, prepared: object) -> bool:
+        """True once a launched copy is over; raises if it failed."""
         ...
 
     def forget(self, peer: str) -> None:

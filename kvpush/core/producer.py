@@ -19,7 +19,7 @@ from kvpush.core import wire
 from kvpush.core.errors import HandshakeError, LayoutError, PeerGoneError, TransportError
 from kvpush.core.ids import Key, MatchTable
 from kvpush.core.layout import as_ids, block_indices
-from kvpush.core.peer_copy import CopyPlan, copy_plan
+from kvpush.core.peer_copy import CopyDst, Signal, copy_dst, copy_src
 from kvpush.core.routing import build_pair_descs, p_targets
 from kvpush.core.transport import WriteState
 from kvpush.core.types import ENDED, StagedBlocks, State, transition
@@ -33,12 +33,22 @@ DKey = tuple[str, str]  # (D agent that registered, D request id)
 
 
 @dataclass
+class Armed:
+    """A direct copy prepared when D registered: only P's block ids are missing."""
+
+    agent: str  # the D agent it was prepared for
+    dst: CopyDst
+    handle: object  # the peer-copy hook's
+
+
+@dataclass
 class PendingReg:
     reg: wire.PushReg
     sender: str
     arrived: float
     # D's ids as arrays, made on arrival so the WRITE path need not convert them.
     dst: list[np.ndarray] = field(default_factory=list)
+    armed: Armed | None = None
 
 
 @dataclass
@@ -76,6 +86,8 @@ class PushTransfer:
     dst: list[np.ndarray] = field(default_factory=list)  # reg's ids, as arrays
     sender: str = ""
     handle: Any = None
+    armed: Armed | None = None  # the direct copy prepared at registration, if any
+    copy: object | None = None  # a launched direct copy that reports its end in D's lane
     cancelled: bool = False  # D cancelled while the WRITE was in flight
     rechecked: bool = False  # the decoder's address was handshaken again (restart)
     staged_at: float = field(default_factory=time.monotonic)
@@ -194,6 +206,7 @@ class Producer:
             self.pending_regs.add(key, PendingGroup({rank: pend}))
         else:
             group.regs[rank] = pend
+        pend.armed = self._arm(sender, reg, pend.dst)
         # Handshake with D now, so the WRITE can start the moment P's blocks are ready.
         self._prefetch(reg.decode_host, reg.decode_port)
 
@@ -292,7 +305,7 @@ class Producer:
             self._send_to(reg, self._fail_msg(reg, "inconsistent or repeated D rank"))
             return
         leg = PushTransfer(preq.prid, preq.blocks, preq.tid, preq=preq)
-        leg.reg, leg.sender, leg.dst = reg, pend.sender, pend.dst
+        leg.reg, leg.sender, leg.dst, leg.armed = reg, pend.sender, pend.dst, pend.armed
         preq.legs[reg.decode_tp_rank] = leg
         self.by_dkey[(pend.sender, reg.request_id)] = leg
         transition(leg, State.MATCHED, leg.name, f"with D request {reg.request_id}")
@@ -330,10 +343,13 @@ class Producer:
             return
         try:
             src_groups = self._source_blocks(t, reg)
+            armed, t.armed = t.armed, None
             if self._can_copy(peer):
-                w = self.w
-                plan = copy_plan(w.limits, w.limits_of(peer), w.pieces_to(peer), src_groups, t.dst)
-                if self._copied(t, peer, plan):
+                if armed is None or armed.agent != peer.agent:
+                    armed = self._prepare(peer, reg, t.dst)
+                if armed is not None:
+                    ids, nbytes = copy_src(self.w.limits, armed.dst, src_groups)
+                    self._copy(t, peer, armed, ids, nbytes)
                     return
             src, dst, staged = self._descriptors(t, peer, reg, src_groups)
         except (LayoutError, wire.WireError) as e:
@@ -387,22 +403,61 @@ class Producer:
         hook = self.w.peer_copy
         return hook is not None and peer.info.peer_copy is not None and not peer.copy_declined
 
-    def _copied(self, t: PushTransfer, peer: Peer, plan: CopyPlan) -> bool:
-        """Copy through the peer-copy hook, then notify; False: WRITE instead."""
-        hook, exported = self.w.peer_copy, peer.info.peer_copy
-        assert hook is not None and exported is not None and t.reg is not None
+    def _arm(self, sender: str, reg: wire.PushReg, dst: list[np.ndarray]) -> Armed | None:
+        """Prepare the direct copy now, while P's blocks are not ready (off the critical
+        path); None when D is not connected yet or cannot be copied into."""
+        peer = self.w.peers.get((reg.decode_host, reg.decode_port))
+        if peer is None or peer.agent != sender or not self._can_copy(peer):
+            return None
         try:
-            if not hook.copy(peer.agent, exported, plan):
-                # Another host, no mapping, memory D did not export: none of it changes
-                # while this peer lives, so later transfers go straight to the WRITE.
-                peer.copy_declined = True
-                self.w.stats["copy_declined"] += 1
-                return False
-        except Exception as e:  # a failed kernel: nothing is known of D's blocks
+            armed = self._prepare(peer, reg, dst)
+            self.w.stats["copy_armed"] += armed is not None
+            return armed
+        except (LayoutError, wire.WireError):
+            return None  # the push meets it again and fails the transfer with the reason
+
+    def _prepare(self, peer: Peer, reg: wire.PushReg, dst: list[np.ndarray]) -> Armed | None:
+        """D's half of a direct copy, checked and handed to the hook; None: WRITE instead.
+        Raises LayoutError for ids outside D's layout."""
+        hook, exported = self.w.peer_copy, peer.info.peer_copy
+        assert hook is not None and exported is not None
+        signal = None
+        if isinstance(reg.lane, wire.LaneSlot) and peer.info.lane:
+            signal = Signal(peer.info.lane, reg.lane.slot, reg.lane.gen)
+        cd = copy_dst(self.w.limits_of(peer), self.w.pieces_to(peer), dst, signal)
+        try:
+            handle = hook.prepare(peer.agent, exported, cd)
+        except Exception as e:  # nothing was written: the WRITE still can be
+            log.warning("direct copy to %s cannot be prepared (%s); writing instead", peer.agent, e)
+            handle = None
+        if handle is None:
+            # Another host, no mapping, memory D did not export: none of it changes
+            # while this peer lives, so later transfers go straight to the WRITE.
+            peer.copy_declined = True
+            self.w.stats["copy_declined"] += 1
+            return None
+        return Armed(peer.agent, cd, handle)
+
+    def _copy(self, t: PushTransfer, peer: Peer, armed: Armed, src: list[Any], nbytes: int) -> None:
+        """Launch the direct copy; with a lane word D learns of its end from the copy
+        itself, otherwise it was waited for and P sends the completion."""
+        hook = self.w.peer_copy
+        assert hook is not None and t.reg is not None
+        try:
+            signalled = hook.launch(armed.handle, src)
+        except Exception as e:  # could not start, or (waited for) failed
             self.w.stats["copy_failed"] += 1
             self._fail(t, peer, f"direct copy failed: {e}")
-            return True
-        transition(t, State.WRITING, t.name, f"{plan.blocks} blocks copied directly")
+            return
+        self.w.stats["copies"] += 1
+        self.w.stats["copy_blocks"] += sum(len(g) for g in src)
+        self.w.stats["write_bytes"] += nbytes
+        if signalled:
+            t.copy = armed.handle
+            self.writing[id(t)] = t
+            transition(t, State.WRITING, t.name, "copy launched; it reports its end to D")
+            return
+        transition(t, State.WRITING, t.name, "copied directly")
         notif = wire.encode_completion(t.reg.request_id, self.w.config.tp_size)
         try:
             self.w.transport.send_notif(peer.agent, notif)
@@ -411,13 +466,9 @@ class Producer:
             if isinstance(e, PeerGoneError):
                 self.w.forget_peer(peer.agent)
             self._fail(t, peer, f"completion could not be sent: {e}")
-            return True
-        self.w.stats["copies"] += 1
-        self.w.stats["copy_blocks"] += plan.blocks
-        self.w.stats["write_bytes"] += plan.nbytes
+            return
         transition(t, State.DONE, t.name)
         self._finish(t)
-        return True
 
     def _plan_staged(
         self,
@@ -456,28 +507,44 @@ class Producer:
         return src
 
     def check_writes(self) -> int:
+        """End the WRITEs and launched copies that are over; returns how many."""
         changed = 0
         for t in list(self.writing.values()):
-            try:
-                state = self.w.transport.check(t.handle)
-            except TransportError as e:
-                log.warning("write %s: %s", t.name, e)
-                state = WriteState.ERROR
+            state = self._copy_state(t) if t.copy is not None else self._write_state(t)
             if state is WriteState.PENDING:
                 continue
             changed += 1
-            self.w.transport.release(t.handle)
-            t.handle = None
             del self.writing[id(t)]
+            what = "copies" if t.copy is not None else "writes"
+            t.copy = None
             if state is WriteState.DONE:
                 transition(t, State.DONE, t.name)
-                self.w.stats["writes_done"] += 1
+                self.w.stats[f"{what}_done"] += 1
                 self._finish(t)
             else:
-                self.w.stats["write_failed"] += 1
+                self.w.stats["write_failed" if what == "writes" else "copy_failed"] += 1
                 peer = self.w.peers_by_agent.get(t.sender)
-                self._fail(t, peer, "WRITE failed")
+                self._fail(t, peer, "WRITE failed" if what == "writes" else "direct copy failed")
         return changed
+
+    def _write_state(self, t: PushTransfer) -> WriteState:
+        try:
+            state = self.w.transport.check(t.handle)
+        except TransportError as e:
+            log.warning("write %s: %s", t.name, e)
+            state = WriteState.ERROR
+        if state is not WriteState.PENDING:
+            self.w.transport.release(t.handle)
+            t.handle = None
+        return state
+
+    def _copy_state(self, t: PushTransfer) -> WriteState:
+        assert self.w.peer_copy is not None
+        try:
+            return WriteState.DONE if self.w.peer_copy.finished(t.copy) else WriteState.PENDING
+        except Exception as e:
+            log.warning("direct copy %s: %s", t.name, e)
+            return WriteState.ERROR
 
     # ---- endings -------------------------------------------------------------------------
 

@@ -127,6 +127,9 @@ class WorkerConfig:
     # start_step and get_finished do it on the engine thread (no thread wake-ups on the
     # critical path; the engine must call get_finished regularly, e.g. every step).
     writer: str = "thread"
+    # Words in D's completion lane (core/lane.py), made when the worker has a peer-copy
+    # hook: same-host copies report their end there. 0: no lane (completions over NIXL).
+    lane_slots: int = 1 << 16
     # Trust: P pushes only to decoders whose side channel ("host:port") is listed (None:
     # any), and with a shared secret every handshake peer must prove it holds the same.
     trusted_decoders: frozenset[str] | None = None
@@ -150,6 +153,8 @@ class WorkerConfig:
         ):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        if not 0 <= self.lane_slots <= 1 << 20:
+            raise ConfigError(f"lane_slots must be in [0, {1 << 20}], got {self.lane_slots}")
         if self.handshake_workers < 1:
             raise ConfigError("handshake_workers must be >= 1")
         if self.writer not in ("thread", "inline"):

@@ -11,6 +11,9 @@ Added by kvpush:
   * ``PUSH_HB:<msgpack>`` — heartbeat naming the transfers the sender still holds.
   * ``PUSH_STAGED:<msgpack>`` — the completion of a staged WRITE (into the slot named by
     ``PushReg.staging``, an optional field omitted unless D offers one; see core/staging.py).
+  * ``PushReg.lane`` (optional, omitted unless D offers it) — a word of D's completion
+    lane: a same-host P's direct copy writes it instead of sending a completion
+    (see core/lane.py).
 
 Decoding is strict: every failure raises :class:`WireError` with a reason and
 callers log and drop the message.
@@ -57,6 +60,13 @@ class StagingSlot(msgspec.Struct, array_like=True, frozen=True):
     nbytes: Annotated[int, msgspec.Meta(ge=1, le=MAX_STAGING_BYTES)]
 
 
+class LaneSlot(msgspec.Struct, array_like=True, frozen=True):
+    """A word of D's completion lane, reserved for one P rank's copy (core/lane.py)."""
+
+    slot: Annotated[int, msgspec.Meta(ge=0, lt=1 << 20)]
+    gen: Annotated[int, msgspec.Meta(ge=1, le=(1 << 63) - 1)]
+
+
 class PushReg(msgspec.Struct, kw_only=True):
     """D's registration of pre-allocated blocks (``PUSH_REG``)."""
 
@@ -74,6 +84,8 @@ class PushReg(msgspec.Struct, kw_only=True):
     decode_tp_rank: TpRank = 0
     # Optional staging slot; UNSET is never encoded, so a PUSH_REG without one is unchanged.
     staging: StagingSlot | msgspec.UnsetType = msgspec.UNSET
+    # Optional completion-lane word for a same-host copy; UNSET is never encoded either.
+    lane: LaneSlot | msgspec.UnsetType = msgspec.UNSET
 
 
 class PushFail(msgspec.Struct, kw_only=True):

@@ -29,6 +29,7 @@ from kvpush.core import wire
 from kvpush.core.consumer import Consumer
 from kvpush.core.errors import KVPushError, TransportError, WireError
 from kvpush.core.handshake import PROTOCOL_VERSION, AgentInfo, SideChannelServer, fetch_agent_info
+from kvpush.core.lane import CompletionLane
 from kvpush.core.layout import KVLayout, block_descs, group_limits, same_block_shape
 from kvpush.core.peer_copy import PeerCopyHook
 from kvpush.core.producer import Producer
@@ -85,6 +86,14 @@ class PushWorker:
         if staging is not None:
             transport.register(KVLayout([staging.region], layout.block_size, 1, layout.mem_type))
         self.peer_copy = peer_copy  # optional one-kernel copy into a same-host peer
+        # Where same-host peers' copies report their end (core/lane.py): D's side of the
+        # peer-copy hook, so only workers that can be copied into have one.
+        self.lane: CompletionLane | None = None
+        if peer_copy is not None and config.lane_slots:
+            try:
+                self.lane = CompletionLane(config.lane_slots)
+            except OSError as e:  # no /dev/shm: completions keep going over NIXL
+                log.warning("no completion lane (%s); copies notify over NIXL", e)
         self.limits = group_limits(layout)  # ids of group g lie below limits[g]
         self.local_prepped: object | None = None
         if config.descriptor_mode == "prepped":
@@ -99,6 +108,7 @@ class PushWorker:
             layout=layout,
             staging=staging.region if staging is not None else None,
             peer_copy=peer_copy.export() if peer_copy is not None else None,
+            lane=self.lane.name if self.lane is not None else None,
         )
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -182,6 +192,8 @@ class PushWorker:
         self._server.close()
         self._executor.shutdown(wait=False, cancel_futures=True)
         self.transport.close()
+        if self.lane is not None:
+            self.lane.close()
 
     def writer_alive(self) -> bool:
         """The writer thread runs (always True for writer="inline")."""
@@ -348,8 +360,9 @@ class PushWorker:
 
     def _tick(self) -> None:
         p, c = self.producer, self.consumer
+        busy = c.poll_lane()  # first: the cheapest way a receive can end
         # Finished blocks before evictions: an eviction always follows its request's staging.
-        busy = self.drain(p.finished_blocks_inbox, p.on_finished)
+        busy += self.drain(p.finished_blocks_inbox, p.on_finished)
         busy += self.drain(p.evict_finished_inbox, p.on_evict)
         busy += self.drain(c.reg_send_inbox, c.on_item)
         busy += self.drain(p.deferred_push_inbox, p.on_deferred)

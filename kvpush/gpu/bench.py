@@ -46,7 +46,7 @@ STAGES = (
     "gather",  # staged: plan (gather kernel) started
     "gathered",  # staged: gathered into P's staging
     "write",  # NIXL WRITE called (ipc: the copy started)
-    "copied",  # ipc: the copy is done
+    "copied",  # ipc: the copy is launched (done, when waited for: no lane word)
     "notify",  # ipc: the completion is being sent
     "posted",  # NIXL WRITE posted
     "notif",  # D's writer got the completion notification

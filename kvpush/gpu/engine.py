@@ -173,14 +173,14 @@ class GpuEngine:
 
         w.transport.write = stamp("write", w.transport.write)  # type: ignore[method-assign]
         if self.peer_copy is not None:  # the direct copy stands where the WRITE would
-            copy = stamp("write", self.peer_copy.copy)
+            launch = stamp("write", self.peer_copy.launch)
 
-            def t_copy(*args: Any) -> Any:
-                got = copy(*args)
-                marks[("copied", "")] = time.monotonic()
+            def t_launch(*args: Any) -> Any:
+                got = launch(*args)
+                marks[("copied", "")] = time.monotonic()  # launched (waited for: copied)
                 return got
 
-            self.peer_copy.copy = t_copy  # type: ignore[method-assign,assignment]
+            self.peer_copy.launch = t_launch  # type: ignore[method-assign,assignment]
             w.transport.send_notif = stamp("notify", w.transport.send_notif)  # type: ignore[method-assign]
         if self.staging is not None:
             plan, unstage = self.staging.plan, self.staging.unstage

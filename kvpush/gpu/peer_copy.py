@@ -4,12 +4,18 @@ Each worker exports CUDA IPC handles of the allocations behind its KV tensors,
 with their base addresses and a host identity. P, on its first transfer to a
 peer on the same host, opens the peer's handles (mapping D's KV memory into its
 own address space, peer access enabled lazily for another GPU) and from then on
-moves a transfer with ONE kernel, one pass over the bytes, on its own stream,
-waits for it, and lets the core send the completion. The kernel reads the
-block ids and the per-peer ``block_pieces`` rows and computes every address
-itself, so the host uploads ids, not a descriptor per block. A peer on another
-host, a mapping that fails or a block outside what the peer exported is
-declined: the core WRITEs instead.
+moves a transfer with ONE kernel, one pass over the bytes, on its own stream.
+The kernel reads the block ids and the per-peer ``block_pieces`` rows and
+computes every address itself, so the host uploads ids, not a descriptor per
+block. ``prepare`` (when D registers) builds the kernel's table with D's ids in
+pinned memory; ``launch`` (when P's blocks are ready) adds P's ids and launches.
+
+With a word of D's completion lane (core/lane.py) the kernel's last thread block
+writes the word after every block's stores are visible system-wide, and P does
+not wait: ``finished`` reads the word (or asks the stream). Without one, P waits
+for the kernel and the core sends the completion. A peer on another host, a
+mapping that fails or a block outside what the peer exported is declined: the
+core WRITEs instead.
 
 Trust: a peer that completed the handshake may write into these allocations,
 as NIXL's metadata already lets it (use ``shared_secret`` on shared hosts).
@@ -19,9 +25,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
-import ctypes
 import logging
-import os
 import socket
 import threading
 import time
@@ -33,7 +37,9 @@ import msgspec
 import numpy as np
 
 from kvpush.core.errors import LayoutError
-from kvpush.core.peer_copy import CopyPlan
+from kvpush.core.lane import LaneView
+from kvpush.core.peer_copy import CopyDst, Signal
+from kvpush.gpu.driver import Driver, function_of
 
 log = logging.getLogger(__name__)
 
@@ -59,59 +65,62 @@ def host_identity() -> str:
     return f"{socket.gethostname()}/{boot}"
 
 
-def allocation_range(ptr: int) -> tuple[int, int]:
-    """(base, size) of the CUDA allocation holding ``ptr`` (a context must be current)."""
-    cuda = ctypes.CDLL("libcuda.so.1")
-    base, size = ctypes.c_uint64(), ctypes.c_size_t()
-    fn = cuda.cuMemGetAddressRange_v2
-    u64 = ctypes.c_uint64
-    fn.argtypes = [ctypes.POINTER(u64), ctypes.POINTER(ctypes.c_size_t), u64]
-    err = fn(ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(ptr))
-    if err:
-        raise LayoutError(f"cuMemGetAddressRange failed ({err}) for {ptr:#x}")
-    return int(base.value), int(size.value)
-
-
 _KERNEL = r"""
 extern "C" __global__ void kvpush_piece_copy(const long long* __restrict__ table,
                                              const long long* __restrict__ ids,
-                                             long long tile, long long tiles) {
+                                             long long tile, long long tiles,
+                                             unsigned long long* counter,
+                                             unsigned long long target,
+                                             unsigned long long* word,
+                                             unsigned long long gen) {
     // Row blockIdx.y: src base, dst base, src stride, dst stride, src off, dst off,
     // length, offset of its src ids, offset of its dst ids, count.
     const long long* p = table + 10LL * blockIdx.y;
     long long i = blockIdx.x / tiles, start = (blockIdx.x % tiles) * tile;
     long long len = p[6];
-    if (i >= p[9] || start >= len) return;
-    long long n = len - start < tile ? len - start : tile;
-    unsigned long long s = (unsigned long long)(p[0] + ids[p[7] + i] * p[2] + p[4] + start);
-    unsigned long long d = (unsigned long long)(p[1] + ids[p[8] + i] * p[3] + p[5] + start);
-    if (((s | d | (unsigned long long)n) & 15ULL) == 0ULL) {
-        const uint4* __restrict__ s4 = reinterpret_cast<const uint4*>(s);
-        uint4* __restrict__ d4 = reinterpret_cast<uint4*>(d);
-        long long n4 = n >> 4, j = threadIdx.x, st = blockDim.x;
-        // Eight 16-byte loads in flight per thread before any store: a tile of 64 KiB
-        // is two rounds of 256 threads.
-        for (; j + 7 * st < n4; j += 8 * st) {
-            uint4 r[8];
+    if (i < p[9] && start < len) {
+        long long n = len - start < tile ? len - start : tile;
+        unsigned long long s = (unsigned long long)(p[0] + ids[p[7] + i] * p[2] + p[4] + start);
+        unsigned long long d = (unsigned long long)(p[1] + ids[p[8] + i] * p[3] + p[5] + start);
+        if (((s | d | (unsigned long long)n) & 15ULL) == 0ULL) {
+            const uint4* __restrict__ s4 = reinterpret_cast<const uint4*>(s);
+            uint4* __restrict__ d4 = reinterpret_cast<uint4*>(d);
+            long long n4 = n >> 4, j = threadIdx.x, st = blockDim.x;
+            // Eight 16-byte loads in flight per thread before any store: a tile of 64 KiB
+            // is two rounds of 256 threads.
+            for (; j + 7 * st < n4; j += 8 * st) {
+                uint4 r[8];
 #pragma unroll
-            for (int k = 0; k < 8; k++) r[k] = s4[j + k * st];
+                for (int k = 0; k < 8; k++) r[k] = s4[j + k * st];
 #pragma unroll
-            for (int k = 0; k < 8; k++) d4[j + k * st] = r[k];
+                for (int k = 0; k < 8; k++) d4[j + k * st] = r[k];
+            }
+            for (; j < n4; j += st) d4[j] = s4[j];
+        } else {
+            const unsigned char* sb = reinterpret_cast<const unsigned char*>(s);
+            unsigned char* db = reinterpret_cast<unsigned char*>(d);
+            for (long long j = threadIdx.x; j < n; j += blockDim.x) db[j] = sb[j];
         }
-        for (; j < n4; j += st) d4[j] = s4[j];
-    } else {
-        const unsigned char* sb = reinterpret_cast<const unsigned char*>(s);
-        unsigned char* db = reinterpret_cast<unsigned char*>(d);
-        for (long long j = threadIdx.x; j < n; j += blockDim.x) db[j] = sb[j];
+    }
+    if (word != 0) {
+        // Every store of this block is visible system-wide before the block is counted;
+        // the block that completes the count writes D's lane word (nothing follows it).
+        __threadfence_system();
+        __syncthreads();
+        if (threadIdx.x == 0 && atomicAdd(counter, 1ULL) + 1ULL == target) {
+            __threadfence_system();
+            *reinterpret_cast<volatile unsigned long long*>(word) = gen;
+        }
     }
 }
 """
 THREADS = 256
 TILE = 64 << 10  # bytes per thread block: long pages are cut so the grid fills the GPU
 MAX_ROWS = 65535  # grid y
+MAX_GRID_X = (1 << 31) - 1
 
 
-def table_len(pieces: np.ndarray, src: Sequence[np.ndarray], dst: Sequence[np.ndarray]) -> int:
+def table_len(pieces: np.ndarray, src: Sequence[Any], dst: Sequence[Any]) -> int:
     return 10 * len(pieces) + sum(len(g) for g in src) + sum(len(g) for g in dst)
 
 
@@ -119,8 +128,8 @@ def fill_table(
     out: np.ndarray,
     pieces: np.ndarray,
     dst_base: np.ndarray,
-    src: Sequence[np.ndarray],
-    dst: Sequence[np.ndarray],
+    src: Sequence[Any],
+    dst: Sequence[Any],
 ) -> int:
     """Write the kernel's K x 10 table, then every id, into ``out``; return max(count)."""
     k = len(pieces)
@@ -147,6 +156,7 @@ class _Mapped:
         self.sizes = [spans[i].size for i in order]
         self.local = [local[i] for i in order]
         self.route: _Route | None = None  # for the pieces of the last copy
+        self.lane: tuple[LaneView, int] | None = None  # the peer's lane and its device address
 
 
 class _Route:
@@ -155,7 +165,7 @@ class _Route:
     ``head`` holds the kernel's rows with D's bases already translated to our mapping
     (columns 7-9 change per copy); ``max_id[g]`` is the largest id of D's group g whose
     bytes stay inside the span its id 0 lies in (-1: none do), so a copy only compares
-    the plan's ``dst_max`` with it.
+    D's ``dst_max`` with it.
     """
 
     def __init__(self, mapped: _Mapped, pieces: np.ndarray) -> None:
@@ -163,7 +173,6 @@ class _Route:
         k = len(pieces)
         self.head = np.zeros((k, 10), dtype=np.int64)
         self.head[:, :7] = pieces[:, :7]
-        self.flat = self.head.reshape(-1)  # a view: the bytes copied into the table
         groups = int(pieces[:, 8].max()) + 1 if k else 0
         self.max_id = [1 << 62] * groups
         for r, row in enumerate(pieces.tolist()):
@@ -174,23 +183,42 @@ class _Route:
             fit = (end - lo - length) // stride if end >= lo + length else -1
             self.max_id[g] = min(self.max_id[g], fit)
             self.head[r, 1] = base + (mapped.local[i] - mapped.remote[i] if i >= 0 else 0)
-        # One group each side: every row reads ids 0..n-1 and n..2n-1 of the table.
+        # One group each side: every row reads src ids n..2n-1 and dst ids 0..n-1.
         self.single = k > 0 and not pieces[:, 7:9].any()
         self.tiles = -(-int(pieces[:, 6].max()) // TILE) if k else 1
 
-    def fits(self, plan: CopyPlan) -> bool:
-        return all(m <= self.max_id[g] for g, m in enumerate(plan.dst_max) if m >= 0)
+    def fits(self, dst: CopyDst) -> bool:
+        return all(m <= self.max_id[g] for g, m in enumerate(dst.dst_max) if m >= 0)
 
-    def fill(self, out: np.ndarray, plan: CopyPlan) -> int:
-        """The kernel table for ``plan`` into ``out``; returns the largest count."""
-        if not self.single:
-            return fill_table(out, plan.pieces, self.head[:, 1], plan.src, plan.dst)
-        n, k10 = len(plan.src[0]), len(self.flat)
-        self.head[:, 8:] = n  # dst ids follow the n src ids; n blocks per row
-        out[:k10] = self.flat
-        out[k10 : k10 + n] = plan.src[0]
-        out[k10 + n : k10 + 2 * n] = plan.dst[0]
-        return n
+    def head_for(self, out: np.ndarray, dst: CopyDst) -> int:
+        """Single group: the rows and D's ids into ``out``; returns where P's ids go."""
+        n, k10 = len(dst.dst[0]), 10 * len(self.head)
+        table = out[:k10].reshape(-1, 10)
+        table[:] = self.head
+        table[:, 7] = n  # P's ids follow D's n ids
+        table[:, 8] = 0
+        table[:, 9] = n
+        out[k10 : k10 + n] = dst.dst[0]
+        return k10 + n
+
+    def fill(self, out: np.ndarray, dst: CopyDst, src: Sequence[Any]) -> int:
+        """The whole table for ``src`` into ``dst``; returns the largest count."""
+        return fill_table(out, dst.pieces, self.head[:, 1], src, dst.dst)
+
+
+class _Prepared:
+    """One copy, ready but for P's ids; its pinned table lives as long as it does."""
+
+    __slots__ = ("route", "dst", "mem", "table", "src_at", "n", "word", "gen", "lane", "slot")
+
+    def __init__(self, route: _Route, dst: CopyDst, mem: Any, table: np.ndarray) -> None:
+        self.route, self.dst, self.mem, self.table = route, dst, mem, table
+        self.src_at = -1  # single group: where P's ids go (-1: the whole table at launch)
+        self.n = len(dst.dst[0]) if dst.dst else 0
+        self.word = 0  # the device address of D's lane word (0: no signal)
+        self.gen = 0
+        self.lane: Any = None  # the lane's words, as mapped here: finished() reads ours
+        self.slot = 0
 
 
 class CudaPeerCopy:
@@ -205,11 +233,12 @@ class CudaPeerCopy:
 
         self._cupy = cupy
         self._dev = int(self.device.index or 0)
+        self._drv = Driver(params=8)
         spans: dict[int, int] = {}
         with torch.cuda.device(self.device):
             torch.cuda.synchronize(self.device)  # the context is current on this thread
             for t in tensors:
-                base, size = allocation_range(int(t.data_ptr()))
+                base, size = self._drv.allocation_range(int(t.data_ptr()))
                 spans[base] = size
             with cupy.cuda.Device(self._dev):
                 exported = [
@@ -221,14 +250,12 @@ class CudaPeerCopy:
             self._kernel = cupy.RawKernel(_KERNEL, "kvpush_piece_copy")
             self._kernel.compile()
             self.stream = cupy.cuda.Stream(non_blocking=True)
-        self._host: np.ndarray | None = None  # pinned staging of kernel tables
-        # "mapped" (default): the kernel reads its table from pinned host memory, one CUDA
-        # call fewer per copy; "upload": copy it to the device first.
-        self.mapped_table = os.environ.get("KVPUSH_PEER_COPY_TABLE", "mapped") == "mapped"
+            self._counter = cupy.zeros(1, dtype=cupy.uint64)  # thread blocks done, ever
+        self._func = function_of(self._kernel)  # None: launch through CuPy
+        self._stream = int(self.stream.ptr)
+        self._counted = 0  # thread blocks launched with a lane word, ever
         self._bound = 0  # the thread the device was made current on
         self.times: dict[str, deque[float]] = defaultdict(lambda: deque(maxlen=64))
-        self._device_buf: Any = None
-        self._last_args: tuple[Any, tuple[Any, ...]] = (None, ())
         self.peers: dict[str, _Mapped | None] = {}  # None: this peer is declined
         self._opened: dict[str, list[int]] = {}
         self.stats: Counter[str] = Counter()
@@ -236,74 +263,127 @@ class CudaPeerCopy:
     def export(self) -> bytes:
         return self._export
 
-    def copy(self, peer: str, exported: bytes, plan: CopyPlan) -> bool:
+    # ---- the hook ----------------------------------------------------------------------------
+
+    def prepare(self, peer: str, exported: bytes, dst: CopyDst) -> _Prepared | None:
         if peer not in self.peers:
             self.peers[peer] = self._open(peer, exported)
         mapped = self.peers[peer]
-        if mapped is None or len(plan.pieces) > MAX_ROWS:
-            return False
-        if not plan.blocks or not len(plan.pieces):
-            return True
-        t0 = time.perf_counter()
+        if mapped is None or len(dst.pieces) > MAX_ROWS:
+            return None
         route = mapped.route
-        if route is None or route.pieces is not plan.pieces:  # once per peer, in practice
-            route = mapped.route = _Route(mapped, plan.pieces)
-        if not route.fits(plan):
+        if route is None or route.pieces is not dst.pieces:  # once per peer, in practice
+            route = mapped.route = _Route(mapped, dst.pieces)
+        if not route.fits(dst):
             self.stats["outside_export"] += 1
             log.warning("a block of %s lies outside what it exported; writing instead", peer)
-            return False
-        n = table_len(plan.pieces, plan.src, plan.dst)
-        host = self._host_buffer(n)
-        most = route.fill(host, plan)
+            return None
+        n = 10 * len(dst.pieces) + 2 * sum(len(g) for g in dst.dst)  # src counts match dst's
+        mem = self._cupy.cuda.alloc_pinned_memory(max(8, n * 8))
+        prep = _Prepared(route, dst, mem, np.frombuffer(mem, dtype=np.int64, count=n))
+        if route.single:
+            prep.src_at = route.head_for(prep.table, dst)
+        if dst.signal is not None:
+            self._signal_to(prep, mapped, dst.signal)
+        return prep
+
+    def launch(self, prepared: object, src: Sequence[Any]) -> bool:
+        prep = prepared
+        assert isinstance(prep, _Prepared)
+        if not prep.n or not len(prep.dst.pieces):
+            return False  # nothing to move
+        t0 = time.perf_counter()
+        route, table = prep.route, prep.table
+        if prep.src_at >= 0:
+            table[prep.src_at : prep.src_at + prep.n] = src[0]
+            most = prep.n
+        else:
+            most = route.fill(table, prep.dst, src)
+        grid = (most * route.tiles, len(route.head))
+        if grid[0] > MAX_GRID_X:
+            raise LayoutError(f"{most} blocks of {route.tiles} tiles exceed one launch")
         if self._bound != threading.get_ident():  # once per thread: fewer CUDA calls per copy
             self._cupy.cuda.runtime.setDevice(self._dev)
             self._bound = threading.get_ident()
-        with self.stream:
-            table = self._device_table(host, n)
-            t1 = time.perf_counter()
-            self._kernel(
-                (most * route.tiles, len(plan.pieces)),
-                (THREADS,),
-                self._args(table, len(route.head), route.tiles),
-            )
-            t2 = time.perf_counter()
-            self.stream.synchronize()  # every byte is in D's blocks before the completion
-        t3 = time.perf_counter()
+        # The block that brings the counter to ``target`` writes the lane word.
+        target = self._counted + grid[0] * grid[1] if prep.word else 0
+        ptr = int(table.ctypes.data)  # pinned memory is mapped for the device (UVA)
+        args = (ptr, ptr + 80 * grid[1], TILE, route.tiles, self._counter_ptr(), target)
+        t1 = time.perf_counter()
+        self._launch(grid, (*args, prep.word, prep.gen))
+        t2 = time.perf_counter()
+        if prep.word:
+            self._counted = target
         self.stats["copies"] += 1
-        for k, dt in (("table", t1 - t0), ("launch", t2 - t1), ("wait", t3 - t2)):
-            self.times[k].append(dt * 1e6)
-        return True
+        self.times["table"].append((t1 - t0) * 1e6)
+        self.times["launch"].append((t2 - t1) * 1e6)
+        if prep.word:
+            return True
+        self._drv.wait(self._stream)  # every byte is in D's blocks before the completion
+        self.times["wait"].append((time.perf_counter() - t2) * 1e6)
+        return False
 
-    def _args(self, table: int, rows: int, tiles: int) -> tuple[Any, ...]:
-        """The kernel's arguments; the same tuple while the table stays where it is."""
-        key = (table, rows, tiles)
-        if self._last_args[0] != key:
-            ids = np.uint64(table + 80 * rows)  # the ids follow the rows of 10 int64
-            self._last_args = (key, (np.uint64(table), ids, np.int64(TILE), np.int64(tiles)))
-        return self._last_args[1]
+    def finished(self, prepared: object) -> bool:
+        prep = prepared
+        assert isinstance(prep, _Prepared)
+        if prep.lane is not None and prep.lane[prep.slot] == prep.gen:
+            return True
+        return self._drv.done(self._stream)
+
+    def forget(self, peer: str) -> None:
+        mapped = self.peers.pop(peer, None)
+        opened = self._opened.pop(peer, [])
+        if opened or (mapped is not None and mapped.lane is not None):
+            with contextlib.suppress(Exception):  # no copy may still write into the mapping
+                self._drv.wait(self._stream)
+        if mapped is not None and mapped.lane is not None:
+            view, _ = mapped.lane
+            with contextlib.suppress(Exception):
+                self._drv.unmap_host(view.address())
+            view.close()
+        self._close(opened)
+
+    def close(self) -> None:
+        for peer in list(self.peers):
+            self.forget(peer)
 
     def timing_us(self) -> dict[str, float]:
         """Median microseconds of the copy's host stages over the last copies."""
         return {k: float(np.median(v)) for k, v in self.times.items() if v}
 
-    def _host_buffer(self, n: int) -> np.ndarray:
-        """The pinned host buffer for kernel tables, grown (with its device twin) as needed."""
-        cupy = self._cupy
-        if self._host is None or self._host.size < n:
-            size = 1 << max(12, int(n - 1).bit_length())
-            mem = cupy.cuda.alloc_pinned_memory(size * 8)
-            self._host = np.frombuffer(mem, dtype=np.int64, count=size)
-            self._device_buf = None if self.mapped_table else cupy.empty(size, dtype=cupy.int64)
-        return self._host
+    # ---- internals ---------------------------------------------------------------------------
 
-    def _device_table(self, host: np.ndarray, n: int) -> int:
-        """Where the kernel reads the table: the pinned buffer itself, or a copy on the device."""
-        if self.mapped_table:  # pinned memory is mapped for the device (UVA): no copy call
-            return int(host.ctypes.data)
-        rt = self._cupy.cuda.runtime
-        ptr = int(self._device_buf.data.ptr)
-        rt.memcpyAsync(ptr, host.ctypes.data, n * 8, rt.memcpyHostToDevice, self.stream.ptr)
-        return ptr
+    def _counter_ptr(self) -> int:
+        return int(self._counter.data.ptr)
+
+    def _launch(self, grid: tuple[int, int], args: tuple[int, ...]) -> None:
+        if self._func is None:  # this CuPy hides the CUfunction: its own (slower) launch
+            with self.stream:
+                self._kernel(grid, (THREADS,), tuple(np.uint64(a) for a in args))
+            return
+        slots = self._drv.args
+        for i, a in enumerate(args):
+            slots[i] = a
+        self._drv.launch(self._func, grid, THREADS, self._stream)
+
+    def _signal_to(self, prep: _Prepared, mapped: _Mapped, signal: Signal) -> None:
+        """Point the copy at D's lane word; without a usable lane it is waited for."""
+        if mapped.lane is None:
+            try:
+                view = LaneView(signal.lane)
+                with self._cupy.cuda.Device(self._dev):
+                    mapped.lane = (view, self._drv.map_host(view.address(), view.slots * 8))
+            except Exception as e:  # another user's file, no /dev/shm, not registrable
+                self.stats["lane_failed"] += 1
+                log.warning("cannot map lane %s (%s); completions go over NIXL", signal.lane, e)
+                return
+        view, dev = mapped.lane
+        if not 0 <= signal.slot < view.slots:
+            self.stats["lane_bad_slot"] += 1
+            log.warning("lane word %d outside %s; completion over NIXL", signal.slot, signal.lane)
+            return
+        prep.word, prep.gen = dev + 8 * signal.slot, signal.gen
+        prep.lane, prep.slot = view.words, signal.slot
 
     def _open(self, peer: str, exported: bytes) -> _Mapped | None:
         try:
@@ -323,7 +403,7 @@ class CudaPeerCopy:
                 for s in info.spans:
                     opened.append(int(rt.ipcOpenMemHandle(s.handle, lazy)))
                     # Bounds come from what was mapped, not from what the peer claims.
-                    base, size = allocation_range(opened[-1])
+                    base, size = self._drv.allocation_range(opened[-1])
                     if base != opened[-1] or size < s.size:
                         raise LayoutError(f"peer claims {s.size} bytes, {size} are mapped")
                     spans.append(s)
@@ -337,19 +417,11 @@ class CudaPeerCopy:
         log.info("mapped %d allocations of %s for direct copies", len(opened), peer)
         return _Mapped(spans, opened)
 
-    def forget(self, peer: str) -> None:
-        self.peers.pop(peer, None)
-        self._close(self._opened.pop(peer, []))
-
     def _close(self, opened: list[int]) -> None:
         with self._cupy.cuda.Device(self._dev):
             for at in opened:
                 with contextlib.suppress(Exception):
                     self._cupy.cuda.runtime.ipcCloseMemHandle(at)
-
-    def close(self) -> None:
-        for peer in list(self._opened):
-            self.forget(peer)
 
 
 def make_peer_copy(mode: str, tensors: Sequence[Any]) -> CudaPeerCopy | None:

@@ -3,42 +3,76 @@
 from __future__ import annotations
 
 import ctypes
+import os
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import pytest
 
-from kvpush.core.peer_copy import CopyPlan
+from kvpush.core.errors import ConfigError
+from kvpush.core.lane import CompletionLane, LaneView
+from kvpush.core.peer_copy import CopyDst
+from tests.conftest import wait_until
 from tests.unit.test_staging_hook import NumpyStaging, StagedPair
 
 
-def apply_pieces(plan: CopyPlan, move: Any) -> None:
+def apply_pieces(dst: CopyDst, src: list[Any], move: Any) -> None:
     """What the kernel does, one block and piece at a time: ``move(dst, src, n)``."""
-    for sb, db, ss, ds, so, do, n, sg, dg in plan.pieces.tolist():
-        for s, d in zip(plan.src[sg].tolist(), plan.dst[dg].tolist(), strict=True):
+    for sb, db, ss, ds, so, do, n, sg, dg in dst.pieces.tolist():
+        for s, d in zip(list(src[sg]), dst.dst[dg].tolist(), strict=True):
             move(db + d * ds + do, sb + s * ss + so, n)
 
 
 class MemmovePeerCopy:
-    """The PeerCopyHook protocol in one process: "mapping" a peer is knowing its host."""
+    """The PeerCopyHook protocol in one process: "mapping" a peer is knowing its host.
 
-    def __init__(self, host: str, fail: bool = False) -> None:
+    ``hold``: launched copies stay unfinished (and their lane words unwritten) until
+    ``release()``, as a kernel still running would.
+    """
+
+    def __init__(self, host: str, fail: bool = False, hold: bool = False) -> None:
         self.host = host
         self.fail = fail
+        self.fail_finish = False
+        self.hold = hold
         self.copied = 0
+        self.prepared = 0
+        self.running: list[tuple[CopyDst, list[Any]]] = []
         self.forgotten: list[str] = []
 
     def export(self) -> bytes:
         return self.host.encode()
 
-    def copy(self, peer: str, exported: bytes, plan: CopyPlan) -> bool:
+    def prepare(self, peer: str, exported: bytes, dst: CopyDst) -> object | None:
         if exported.decode() != self.host:
-            return False
+            return None
+        self.prepared += 1
+        return dst
+
+    def launch(self, prepared: object, src: Sequence[Any]) -> bool:
+        assert isinstance(prepared, CopyDst)
         if self.fail:
             raise RuntimeError("illegal address")
-        apply_pieces(plan, ctypes.memmove)
-        self.copied += 1
-        return True
+        self.running.append((prepared, list(src)))
+        if not self.hold:
+            self.release()
+        return prepared.signal is not None
+
+    def release(self) -> None:
+        for dst, src in self.running:
+            apply_pieces(dst, src, ctypes.memmove)
+            self.copied += 1
+            if dst.signal is not None:  # what the kernel's last block does
+                view = LaneView(dst.signal.lane)
+                view.set(dst.signal.slot, dst.signal.gen)
+                view.close()
+        self.running.clear()
+
+    def finished(self, prepared: object) -> bool:
+        if self.fail_finish:
+            raise RuntimeError("the copy stream failed")
+        return all(d is not prepared for d, _ in self.running)
 
     def forget(self, peer: str) -> None:
         self.forgotten.append(peer)
@@ -49,9 +83,8 @@ def pair() -> Any:
     made: list[StagedPair] = []
 
     def make(p: MemmovePeerCopy | None, d: MemmovePeerCopy | None, **kw: Any) -> StagedPair:
-        made.append(
-            StagedPair(kw.get("p_staging"), kw.get("d_staging"), {"peer_copy": p}, {"peer_copy": d})
-        )
+        d_kw = {"peer_copy": d, "worker": kw.get("d_worker", {})}
+        made.append(StagedPair(kw.get("p_staging"), kw.get("d_staging"), {"peer_copy": p}, d_kw))
         return made[-1]
 
     yield make
@@ -115,9 +148,120 @@ def test_forgetting_a_peer_drops_its_mapping(pair: Any) -> None:
     assert hook.forgotten == [agent]
 
 
+def test_lane_word_ends_the_receive_and_the_copy_was_armed_at_registration(pair: Any) -> None:
+    hook = MemmovePeerCopy("h1")
+    pr = pair(hook, MemmovePeerCopy("h1"))
+    for i, n in enumerate([4, 9]):
+        pr.push(f"r{i}", n)
+        kind, info = pr.outcome(f"r{i}")
+        assert kind == "recv" and info["bad_regions"] == 0, info
+    p, d = pr.p.worker, pr.d.worker
+    assert d.lane is not None and d.info.lane == d.lane.name
+    # Both ended by the lane word, no completion notification. The second was prepared
+    # when D registered (push() lets the registration reach P before the prefill ends);
+    # the first could not be: P had not connected to D yet.
+    assert d.stats["lane_done"] == 2 and d.stats["recv_done"] == 2
+    assert p.stats["copy_armed"] == 1 and hook.prepared == 2 and p.stats["copies_done"] == 2
+    assert not d.lane.waiting  # every word given back
+
+
+def test_p_holds_its_blocks_until_a_launched_copy_finishes(pair: Any) -> None:
+    hook = MemmovePeerCopy("h1", hold=True)
+    pr = pair(hook, MemmovePeerCopy("h1"))
+    pr.push("r0", 6)
+    wait_until(lambda: hook.running, 30, pr.step, "the launch")
+    for _ in range(20):  # the copy "runs": D sees no word, P keeps its blocks
+        pr.step()
+    assert not any(r == "r0" for k, r, _ in pr.d_events if k in ("recv", "failed"))
+    assert pr.p.held_blocks() == 6
+    hook.release()
+    kind, info = pr.outcome("r0")
+    assert kind == "recv" and info["bad_regions"] == 0
+
+
+def test_a_copy_that_fails_after_its_launch_fails_the_receive(pair: Any) -> None:
+    hook = MemmovePeerCopy("h1", hold=True)
+    hook.fail_finish = True
+    pr = pair(hook, MemmovePeerCopy("h1"))
+    pr.push("r0", 3)
+    kind, info = pr.outcome("r0")
+    assert kind == "failed" and "direct copy failed" in info["reason"]
+    assert pr.p.worker.stats["copy_failed"] == 1
+
+
+@pytest.mark.parametrize("slots", [0, 1], ids=["no-lane", "lane-full"])
+def test_without_a_lane_word_the_copy_is_waited_for_and_notified(pair: Any, slots: int) -> None:
+    pr = pair(MemmovePeerCopy("h1"), MemmovePeerCopy("h1"), d_worker={"lane_slots": slots})
+    # Two registrations at once: with one word, the second goes without.
+    pr.d.register("r0", "r0", 2, "P", "127.0.0.1", pr.p.spec.port)
+    pr.d.register("r1", "r1", 5, "P", "127.0.0.1", pr.p.spec.port)
+    wait_until(lambda: pr.p.worker.snapshot()["pending_registrations"] == 2, 30, pr.step)
+    pr.p.prefill("r0", "r0", 2)
+    pr.p.prefill("r1", "r1", 5)
+    for rid in ("r0", "r1"):
+        kind, info = pr.outcome(rid)
+        assert kind == "recv" and info["bad_regions"] == 0
+    d = pr.d.worker
+    assert d.stats["lane_done"] == slots and d.stats["lane_full"] == slots
+    assert (d.lane is None) == (slots == 0)
+
+
+def test_lane_words_complete_only_their_own_reservation() -> None:
+    lane = CompletionLane(2)
+    try:
+        a = lane.reserve("a")
+        assert a is not None
+        lane.release(a[0])  # ended without its word (a watchdog expiry)
+        b, c = lane.reserve("b"), lane.reserve("c")
+        assert b is not None and c is not None and c[0] == a[0]  # reused last
+        assert lane.reserve("d") is None
+        view = LaneView(lane.name)
+        view.set(a[0], a[1])  # a late write for the old reservation
+        assert lane.poll() == []
+        view.set(c[0], c[1])
+        view.set(b[0], b[1])
+        assert sorted(lane.poll()) == ["b", "c"] and not lane.waiting
+        view.close()
+    finally:
+        lane.close()
+    assert not os.path.exists(lane.path)
+
+
+def test_many_waiting_words_are_checked_at_once() -> None:
+    lane = CompletionLane(64)
+    try:
+        got = [lane.reserve(i) for i in range(40)]
+        view = LaneView(lane.name)
+        for i, (slot, gen) in enumerate(x for x in got if x is not None):
+            view.set(slot, gen if i % 3 == 0 else gen + 1)
+        assert sorted(lane.poll()) == list(range(0, 40, 3))
+        assert len(lane.waiting) == 40 - len(range(0, 40, 3))
+        view.close()
+    finally:
+        lane.close()
+
+
+@pytest.mark.parametrize("name", ["../../etc/passwd", "kvpush-lane-x", "/dev/shm/kvpush-lane-0"])
+def test_a_peer_cannot_name_any_file_as_its_lane(name: str) -> None:
+    with pytest.raises(ConfigError, match="not a kvpush lane"):
+        LaneView(name)
+
+
+def kernel_moves(out: np.ndarray, rows: int) -> set[tuple[int, int, int]]:
+    """(src, dst, length) of every piece, read from a table the way the kernel reads it."""
+    table, ids = out[: 10 * rows].reshape(-1, 10), out[10 * rows :]
+    got = set()
+    for row in table.tolist():
+        for i in range(row[9]):
+            s = row[0] + ids[row[7] + i] * row[2] + row[4]
+            d_at = row[1] + ids[row[8] + i] * row[3] + row[5]
+            got.add((int(s), int(d_at), row[6]))
+    return got
+
+
 def test_kernel_table_addresses_what_the_pieces_say() -> None:
     """The CUDA kernel's table (gpu/peer_copy.py), read the way the kernel reads it."""
-    from kvpush.core.peer_copy import copy_plan
+    from kvpush.core.peer_copy import copy_dst, copy_src
     from kvpush.core.routing import block_pieces, pair_regions
     from kvpush.gpu.peer_copy import fill_table, table_len
     from tests.unit.test_routing import Model, rank_layout
@@ -125,29 +269,45 @@ def test_kernel_table_addresses_what_the_pieces_say() -> None:
     m = Model(layers=2, heads=4, mla=False, packed=False, nblocks=16)
     p, d = rank_layout(m, 1, 0, 1, 0), rank_layout(m, 2, 1, 1, 0)  # head slices
     pieces = block_pieces(p, d, pair_regions(p, d))
-    plan = copy_plan(p, d, pieces, [[5, 2, 9]], [np.array([1, 7, 3])])
+    cd = copy_dst(d, pieces, [np.array([1, 7, 3])])
+    src, nbytes = copy_src(p, cd, [[5, 2, 9]])
+    assert nbytes == 3 * int(pieces[:, 6].sum())
     mapped = pieces[:, 1] + 10_000  # D's memory seen at another address
-    out = np.zeros(table_len(pieces, plan.src, plan.dst), dtype=np.int64)
-    most = fill_table(out, pieces, mapped, plan.src, plan.dst)
-    assert most == 3
-    table, ids = out[: 10 * len(pieces)].reshape(-1, 10), out[10 * len(pieces) :]
-    got, want = set(), set()
-    for row in table.tolist():
-        for i in range(row[9]):
-            s = row[0] + ids[row[7] + i] * row[2] + row[4]
-            d_at = row[1] + ids[row[8] + i] * row[3] + row[5]
-            got.add((int(s), int(d_at), row[6]))
-    apply_pieces(plan, lambda dst, src, n: want.add((src, dst + 10_000, n)))
+    out = np.zeros(table_len(pieces, src, cd.dst), dtype=np.int64)
+    assert fill_table(out, pieces, mapped, src, cd.dst) == 3
+    got, want = kernel_moves(out, len(pieces)), set()
+    apply_pieces(cd, src, lambda dst, s, n: want.add((s, dst + 10_000, n)))
     assert got == want and len(got) == 3 * len(pieces)
 
 
-def test_route_reuses_translated_rows_and_bounds_ids_by_the_export() -> None:
-    """The per-peer route (gpu/peer_copy.py): the fast table equals the general one, and a
-    destination id whose bytes leave what the peer exported is refused before any copy."""
-    from kvpush.core.layout import KVLayout, Region
-    from kvpush.core.peer_copy import copy_plan
+def test_copy_halves_refuse_what_does_not_fit() -> None:
+    from kvpush.core.errors import LayoutError
+    from kvpush.core.peer_copy import copy_dst, copy_src
     from kvpush.core.routing import block_pieces, pair_regions
-    from kvpush.gpu.peer_copy import Span, _Mapped, _Route, fill_table, table_len
+    from tests.unit.test_routing import Model, rank_layout
+
+    m = Model(layers=2, heads=4, mla=False, packed=False, nblocks=16)
+    p, d = rank_layout(m, 1, 0, 1, 0), rank_layout(m, 1, 0, 1, 0)
+    pieces = block_pieces(p, d, pair_regions(p, d))
+    with pytest.raises(LayoutError, match="outside"):
+        copy_dst(d, pieces, [np.array([1, 16])])
+    cd = copy_dst(d, pieces, [np.array([1, 2])])
+    assert cd.single and cd.dst_max == [2]
+    for bad, why in (([1], "source blocks"), ([1, 16], "outside"), ([-1, 2], "outside")):
+        with pytest.raises(LayoutError, match=why):
+            copy_src(p, cd, [bad])
+    with pytest.raises(LayoutError, match="outside"):
+        copy_src(p, cd, [np.array([3, 99])])
+
+
+def test_route_reuses_translated_rows_and_bounds_ids_by_the_export() -> None:
+    """The per-peer route (gpu/peer_copy.py): the prepared table (D's ids first, P's
+    added at launch) moves what the general one does, and a destination id whose bytes
+    leave what the peer exported is refused before any copy."""
+    from kvpush.core.layout import KVLayout, Region
+    from kvpush.core.peer_copy import copy_dst
+    from kvpush.core.routing import block_pieces, pair_regions
+    from kvpush.gpu.peer_copy import Span, _Mapped, _Route, table_len
 
     def lay(base: int) -> KVLayout:
         return KVLayout([Region("k", base, 256, 64), Region("v", base + 256 * 64, 256, 64)], 16)
@@ -158,11 +318,15 @@ def test_route_reuses_translated_rows_and_bounds_ids_by_the_export() -> None:
     spans = [Span(1 << 30, 256 * 64, b""), Span((1 << 30) + 256 * 64, 256 * 40, b"")]
     route = _Route(_Mapped(spans, [1 << 40, 1 << 41]), pieces)
     assert route.single and route.max_id == [39]
-    plan = copy_plan(p, d, pieces, [[5, 2, 9]], [np.array([1, 39, 3])])
-    assert route.fits(plan)
-    fast = np.zeros(table_len(pieces, plan.src, plan.dst), dtype=np.int64)
+    cd = copy_dst(d, pieces, [np.array([1, 39, 3])])
+    assert route.fits(cd)
+    src = [np.array([5, 2, 9])]
+    fast = np.zeros(table_len(pieces, src, cd.dst), dtype=np.int64)
+    at = route.head_for(fast, cd)
+    fast[at : at + 3] = src[0]
     slow = np.zeros_like(fast)
-    assert route.fill(fast, plan) == fill_table(slow, pieces, route.head[:, 1], plan.src, plan.dst)
-    assert fast.tolist() == slow.tolist()
+    assert route.fill(slow, cd, src) == 3
+    assert kernel_moves(fast, len(pieces)) == kernel_moves(slow, len(pieces))
+    assert len(kernel_moves(fast, len(pieces))) == 3 * len(pieces)
     assert set(route.head[:, 1].tolist()) == {1 << 40, 1 << 41}  # D's bases, as mapped here
-    assert not route.fits(copy_plan(p, d, pieces, [[5]], [np.array([40])]))
+    assert not route.fits(copy_dst(d, pieces, [np.array([40])]))

@@ -116,7 +116,9 @@ class StagedPair:
     def _engine(
         name: str, fabric: Fabric, hook: NumpyStaging | None, kw: dict[str, Any]
     ) -> SimEngine:
-        spec = SimSpec(name, free_port(), layers=2, num_blocks=256, block_bytes=4096, worker=FAST)
+        kw = dict(kw)
+        worker = {**FAST, **kw.pop("worker", {})}  # WorkerConfig fields of this side
+        spec = SimSpec(name, free_port(), layers=2, num_blocks=256, block_bytes=4096, worker=worker)
         transport = MemoryTransport(fabric, make_agent_name(name, 0))
         eng = SimEngine(spec, transport, staging=hook, **kw)
         if hook is not None:
