@@ -103,13 +103,16 @@ extern "C" __global__ void kvpush_piece_copy(const long long* __restrict__ table
         }
     }
     if (word != 0) {
-        // Every store of this block is visible system-wide before the block is counted;
-        // the block that completes the count writes D's lane word (nothing follows it).
-        __threadfence_system();
+        // The block's stores (ordered before thread 0's fence by the barrier, as a grid
+        // sync does) are visible system-wide before the block is counted; the block that
+        // completes the count writes D's lane word after one more fence.
         __syncthreads();
-        if (threadIdx.x == 0 && atomicAdd(counter, 1ULL) + 1ULL == target) {
+        if (threadIdx.x == 0) {
             __threadfence_system();
-            *reinterpret_cast<volatile unsigned long long*>(word) = gen;
+            if (atomicAdd(counter, 1ULL) + 1ULL == target) {
+                __threadfence_system();
+                *reinterpret_cast<volatile unsigned long long*>(word) = gen;
+            }
         }
     }
 }
@@ -214,7 +217,7 @@ class _Prepared:
     def __init__(self, route: _Route, dst: CopyDst, mem: Any, table: np.ndarray) -> None:
         self.route, self.dst, self.mem, self.table = route, dst, mem, table
         self.src_at = -1  # single group: where P's ids go (-1: the whole table at launch)
-        self.n = len(dst.dst[0]) if dst.dst else 0
+        self.n = sum(len(g) for g in dst.dst)  # blocks D receives (single group: its ids)
         self.word = 0  # the device address of D's lane word (0: no signal)
         self.gen = 0
         self.lane: Any = None  # the lane's words, as mapped here: finished() reads ours
@@ -251,7 +254,7 @@ class CudaPeerCopy:
             self._kernel.compile()
             self.stream = cupy.cuda.Stream(non_blocking=True)
             self._counter = cupy.zeros(1, dtype=cupy.uint64)  # thread blocks done, ever
-        self._func = function_of(self._kernel)  # None: launch through CuPy
+            self._func = function_of(self._kernel)  # None: launch through CuPy
         self._stream = int(self.stream.ptr)
         self._counted = 0  # thread blocks launched with a lane word, ever
         self._bound = 0  # the thread the device was made current on
@@ -298,6 +301,10 @@ class CudaPeerCopy:
             table[prep.src_at : prep.src_at + prep.n] = src[0]
             most = prep.n
         else:
+            need = table_len(prep.dst.pieces, src, prep.dst.dst)
+            if need > len(table):  # P has more groups than D: the general table is longer
+                prep.mem = self._cupy.cuda.alloc_pinned_memory(need * 8)
+                table = prep.table = np.frombuffer(prep.mem, dtype=np.int64, count=need)
             most = route.fill(table, prep.dst, src)
         grid = (most * route.tiles, len(route.head))
         if grid[0] > MAX_GRID_X:

@@ -133,4 +133,18 @@ def test_ipc_copies_one_kernel_per_transfer(pair: Pair, writer: str) -> None:
         pair.check(rid, n)
     st = pair.p.call("stats")
     assert st.get("writes", 0) == 0 and st["peer_copy_copies"] == len(SIZES), st
-    assert st["peer_copy_mapped"] == 1
+    assert st["peer_copy_mapped"] == 1 and st["copies_done"] == len(SIZES), st
+    # Every receive ended by its lane word, written by the copy kernel itself.
+    assert pair.d.call("stats")["lane_done"] == len(SIZES)
+
+
+def test_ipc_without_lane_waits_and_notifies(pair: Pair) -> None:
+    if pair.p.device == "cpu":
+        pytest.skip("CUDA IPC exists on CUDA devices only (the CPU pair writes through NIXL)")
+    pair.setup(peer_copy=True, worker={**FAST, "lane_slots": 0})
+    rids = [(pair.push(n), n) for n in SIZES]
+    for rid, n in rids:
+        pair.check(rid, n)
+    st = pair.p.call("stats")
+    assert st["peer_copy_copies"] == len(SIZES) and st.get("copies_done", 0) == 0, st
+    assert pair.d.call("stats").get("lane_done", 0) == 0
