@@ -167,8 +167,8 @@ class Consumer:
         for rid, agent in seen:
             t = self.recvs.get(rid)
             if t is not None:
-                t.lanes = [s for s in t.lanes if s in lane.waiting]
                 self._completed(t, agent, staged=False)
+                t.lanes = [s for s in t.lanes if s in lane.waiting]
         return len(seen)
 
     def _in_use(self, agent: str) -> bool:
@@ -272,9 +272,9 @@ class Consumer:
         if staged and not self._unstage(t):
             return
         if t.quiet:
+            self._end(t, State.DONE, "recv")
             self.w.stats["recv_done"] += 1
             self.w.stats["recv_bytes"] += self._nbytes(t)
-            self._end(t, State.DONE, "recv")
 
     def on_push_fail(self, sender: str, f: wire.PushFail) -> None:
         t = self.recvs.get(f.request_id)

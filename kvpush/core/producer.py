@@ -42,6 +42,16 @@ class Armed:
 
 
 @dataclass
+class Launched:
+    """A direct copy already launched; the leg's bookkeeping follows it."""
+
+    armed: Armed
+    ids: list[Any]
+    nbytes: int
+    signalled: bool
+
+
+@dataclass
 class PendingReg:
     reg: wire.PushReg
     sender: str
@@ -87,6 +97,7 @@ class PushTransfer:
     sender: str = ""
     handle: Any = None
     armed: Armed | None = None  # the direct copy prepared at registration, if any
+    early: Launched | None = None  # launched before this leg existed (_launch_armed)
     copy: object | None = None  # a launched direct copy that reports its end in D's lane
     cancelled: bool = False  # D cancelled while the WRITE was in flight
     rechecked: bool = False  # the decoder's address was handshaken again (restart)
@@ -135,10 +146,12 @@ class Producer:
         if group is None and self.staged.find(key) is not None and preq.tid is not None:
             log.warning("transfer id %s staged twice; ignoring %s", preq.tid, preq.prid)
             return
+        # The common case first: copy now, keep the books after (the copy runs meanwhile).
+        early = self._launch_armed(preq, group) if group is not None else None
         self.by_prid[preq.prid] = preq
         log.debug("transfer %s: staged (P request %s)", preq.tid or preq.prid, preq.prid)
         for pend in group.regs.values() if group else ():
-            self._attach(preq, pend)
+            self._attach(preq, pend, early)
         if preq.prid in self.by_prid and preq.waiting():
             self.staged.add(key, preq)
 
@@ -295,7 +308,34 @@ class Producer:
 
     # ---- matching and writing ------------------------------------------------------------
 
-    def _attach(self, preq: PRequest, pend: PendingReg) -> None:
+    def _launch_armed(self, preq: PRequest, group: PendingGroup) -> Launched | None:
+        """Launch the copy prepared for a request's only registration, before any of the
+        bookkeeping ``_attach`` and ``_push`` do; None when any of their checks might not
+        pass (they then run in full and decide)."""
+        if len(group.regs) != 1:
+            return None
+        (pend,) = group.regs.values()
+        armed, reg, hook = pend.armed, pend.reg, self.w.peer_copy
+        if armed is None or hook is None or armed.agent != pend.sender:
+            return None
+        peer = self.w.peers.get((reg.decode_host, reg.decode_port))
+        if peer is None or peer.agent != armed.agent or peer.copy_declined:
+            return None
+        cfg = self.w.config
+        if reg.decode_tp_rank not in p_targets(
+            cfg.tp_rank, cfg.tp_size, reg.decode_tp_size, self.w.layout.attention
+        ):
+            return None
+        try:
+            ids, nbytes = copy_src(self.w.limits, armed.dst, source_blocks(pend.dst, preq.blocks))
+            signalled = hook.launch(armed.handle, ids)
+        except Exception:  # the full path meets it again and fails the leg with the reason
+            return None
+        pend.armed = None
+        self.w.stats["copy_early"] += 1
+        return Launched(armed, ids, nbytes, signalled)
+
+    def _attach(self, preq: PRequest, pend: PendingReg, early: Launched | None = None) -> None:
         """Start the leg of one D rank's registration: WRITE if this rank feeds that D rank."""
         reg = pend.reg
         if preq.expected is None:
@@ -306,6 +346,8 @@ class Producer:
             return
         leg = PushTransfer(preq.prid, preq.blocks, preq.tid, preq=preq)
         leg.reg, leg.sender, leg.dst, leg.armed = reg, pend.sender, pend.dst, pend.armed
+        if early is not None and pend.armed is None:
+            leg.early = early
         preq.legs[reg.decode_tp_rank] = leg
         self.by_dkey[(pend.sender, reg.request_id)] = leg
         transition(leg, State.MATCHED, leg.name, f"with D request {reg.request_id}")
@@ -323,6 +365,11 @@ class Producer:
             return
         reg = t.reg
         assert reg is not None
+        if t.early is not None:  # launched by _launch_armed: its peer was checked there
+            e, t.early = t.early, None
+            known = self.w.peers_by_agent[e.armed.agent]
+            self._copied(t, known, e.armed.handle, e.ids, e.nbytes, e.signalled)
+            return
         peer = self.w.ensure_peer(
             reg.decode_host,
             reg.decode_port,
@@ -342,7 +389,7 @@ class Producer:
             self._fail(t, peer, f"registration sent by {t.sender}, not by {peer.agent}")
             return
         try:
-            src_groups = self._source_blocks(t, reg)
+            src_groups = source_blocks(t.dst, t.blocks)
             armed, t.armed = t.armed, None
             if self._can_copy(peer):
                 if armed is None or armed.agent != peer.agent:
@@ -442,18 +489,31 @@ class Producer:
         """Launch the direct copy; with a lane word D learns of its end from the copy
         itself, otherwise it was waited for and P sends the completion."""
         hook = self.w.peer_copy
-        assert hook is not None and t.reg is not None
+        assert hook is not None
         try:
             signalled = hook.launch(armed.handle, src)
         except Exception as e:  # could not start, or (waited for) failed
             self.w.stats["copy_failed"] += 1
             self._fail(t, peer, f"direct copy failed: {e}")
             return
+        self._copied(t, peer, armed.handle, src, nbytes, signalled)
+
+    def _copied(
+        self,
+        t: PushTransfer,
+        peer: Peer,
+        handle: object,
+        src: list[Any],
+        nbytes: int,
+        signalled: bool,
+    ) -> None:
+        """A launched copy: wait for its lane word (signalled) or send the completion."""
+        assert t.reg is not None
         self.w.stats["copies"] += 1
         self.w.stats["copy_blocks"] += sum(len(g) for g in src)
         self.w.stats["write_bytes"] += nbytes
         if signalled:
-            t.copy = armed.handle
+            t.copy = handle
             self.writing[id(t)] = t
             transition(t, State.WRITING, t.name, "copy launched; it reports its end to D")
             return
@@ -491,20 +551,6 @@ class Producer:
         return len(pairs) == len(self.w.layout.regions) and all(
             p.whole and p.src == p.dst for p in pairs
         )
-
-    def _source_blocks(self, t: PushTransfer, reg: wire.PushReg) -> list[list[int]]:
-        dst = t.dst
-        if len(dst) != len(t.blocks):
-            raise LayoutError(f"{len(dst)} block groups, P holds {len(t.blocks)}")
-        src = []
-        for g, (d_ids, p_ids) in enumerate(zip(dst, t.blocks, strict=True)):
-            if len(d_ids) > len(p_ids):
-                raise LayoutError(
-                    f"group {g}: D registered {len(d_ids)} blocks, P holds {len(p_ids)}"
-                )
-            # D may already hold a prefix (its own cache): P writes the tail.
-            src.append(p_ids[len(p_ids) - len(d_ids) :])
-        return src
 
     def check_writes(self) -> int:
         """End the WRITEs and launched copies that are over; returns how many."""
@@ -599,3 +645,16 @@ class Producer:
         if self.w.staging is not None:
             self.w.staging.release_push(preq.prid)
         self.w.emit("sent", preq.prid)
+
+
+def source_blocks(dst: list[np.ndarray], blocks: list[list[int]]) -> list[list[int]]:
+    """P's blocks for D's registered ones, per group: D may already hold a prefix (its
+    own cache), so P writes the tail."""
+    if len(dst) != len(blocks):
+        raise LayoutError(f"{len(dst)} block groups, P holds {len(blocks)}")
+    src = []
+    for g, (d_ids, p_ids) in enumerate(zip(dst, blocks, strict=True)):
+        if len(d_ids) > len(p_ids):
+            raise LayoutError(f"group {g}: D registered {len(d_ids)} blocks, P holds {len(p_ids)}")
+        src.append(p_ids[len(p_ids) - len(d_ids) :])
+    return src

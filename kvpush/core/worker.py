@@ -162,10 +162,13 @@ class PushWorker:
     def get_finished(self) -> WorkerOutput:
         """Collect what finished since the last call; wakes the writer to poll unless idle."""
         self._check_alive()
-        if self.inline and (
-            not self._writer_idle or self._wake.is_set() or time.monotonic() >= self._next_tick
-        ):
-            self._inline_tick()
+        if self.inline:
+            # A lane word is a memory read: look every call. The rest of the tick runs
+            # on the writer's schedule (fast while busy, backing off) or when woken.
+            if self.lane is not None and self.lane.waiting:
+                self.consumer.poll_lane()
+            if self._wake.is_set() or time.monotonic() >= self._next_tick:
+                self._inline_tick()
         out = WorkerOutput()
         results = self._results
         while not results.empty():  # the engine thread is the only consumer

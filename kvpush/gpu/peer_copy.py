@@ -10,10 +10,10 @@ computes every address itself, so the host uploads ids, not a descriptor per
 block. ``prepare`` (when D registers) builds the kernel's table with D's ids in
 pinned memory; ``launch`` (when P's blocks are ready) adds P's ids and launches.
 
-With a word of D's completion lane (core/lane.py) the kernel's last thread block
-writes the word after every block's stores are visible system-wide, and P does
-not wait: ``finished`` reads the word (or asks the stream). Without one, P waits
-for the kernel and the core sends the completion. A peer on another host, a
+With a word of D's completion lane (core/lane.py) a one-thread kernel queued right
+behind the copy on the same stream fences and writes the word, and P does not wait:
+``finished`` reads the word (or asks the stream). Without one, P waits for the
+kernel and the core sends the completion. A peer on another host, a
 mapping that fails or a block outside what the peer exported is declined: the
 core WRITEs instead.
 
@@ -68,17 +68,14 @@ def host_identity() -> str:
 _KERNEL = r"""
 extern "C" __global__ void kvpush_piece_copy(const long long* __restrict__ table,
                                              const long long* __restrict__ ids,
-                                             long long tile, long long tiles,
-                                             unsigned long long* counter,
-                                             unsigned long long target,
-                                             unsigned long long* word,
-                                             unsigned long long gen) {
+                                             long long tile, long long tiles) {
     // Row blockIdx.y: src base, dst base, src stride, dst stride, src off, dst off,
     // length, offset of its src ids, offset of its dst ids, count.
     const long long* p = table + 10LL * blockIdx.y;
     long long i = blockIdx.x / tiles, start = (blockIdx.x % tiles) * tile;
     long long len = p[6];
-    if (i < p[9] && start < len) {
+    if (i >= p[9] || start >= len) return;
+    {
         long long n = len - start < tile ? len - start : tile;
         unsigned long long s = (unsigned long long)(p[0] + ids[p[7] + i] * p[2] + p[4] + start);
         unsigned long long d = (unsigned long long)(p[1] + ids[p[8] + i] * p[3] + p[5] + start);
@@ -102,19 +99,13 @@ extern "C" __global__ void kvpush_piece_copy(const long long* __restrict__ table
             for (long long j = threadIdx.x; j < n; j += blockDim.x) db[j] = sb[j];
         }
     }
-    if (word != 0) {
-        // The block's stores (ordered before thread 0's fence by the barrier, as a grid
-        // sync does) are visible system-wide before the block is counted; the block that
-        // completes the count writes D's lane word after one more fence.
-        __syncthreads();
-        if (threadIdx.x == 0) {
-            __threadfence_system();
-            if (atomicAdd(counter, 1ULL) + 1ULL == target) {
-                __threadfence_system();
-                *reinterpret_cast<volatile unsigned long long*>(word) = gen;
-            }
-        }
-    }
+}
+
+// Launched after the copy on its stream: every byte of the copy is in place (stream
+// order) and, past the fence, visible to the host and to D's device before the word is.
+extern "C" __global__ void kvpush_lane_word(unsigned long long* word, unsigned long long gen) {
+    __threadfence_system();
+    *reinterpret_cast<volatile unsigned long long*>(word) = gen;
 }
 """
 THREADS = 256
@@ -236,7 +227,7 @@ class CudaPeerCopy:
 
         self._cupy = cupy
         self._dev = int(self.device.index or 0)
-        self._drv = Driver(params=8)
+        self._drv = Driver(params=4)
         spans: dict[int, int] = {}
         with torch.cuda.device(self.device):
             torch.cuda.synchronize(self.device)  # the context is current on this thread
@@ -250,13 +241,14 @@ class CudaPeerCopy:
                 ]
         self._export = msgspec.msgpack.encode(Exported(host_identity(), exported))
         with cupy.cuda.Device(self._dev):
-            self._kernel = cupy.RawKernel(_KERNEL, "kvpush_piece_copy")
-            self._kernel.compile()
+            module = cupy.RawModule(code=_KERNEL)
+            self._kernel = module.get_function("kvpush_piece_copy")
+            self._signal = module.get_function("kvpush_lane_word")
             self.stream = cupy.cuda.Stream(non_blocking=True)
-            self._counter = cupy.zeros(1, dtype=cupy.uint64)  # thread blocks done, ever
-            self._func = function_of(self._kernel)  # None: launch through CuPy
+            # The CUfunctions, to launch through the driver (None: through CuPy).
+            self._func = function_of(self._kernel)
+            self._signal_func = function_of(self._signal)
         self._stream = int(self.stream.ptr)
-        self._counted = 0  # thread blocks launched with a lane word, ever
         self._bound = 0  # the thread the device was made current on
         self.times: dict[str, deque[float]] = defaultdict(lambda: deque(maxlen=64))
         self.peers: dict[str, _Mapped | None] = {}  # None: this peer is declined
@@ -312,15 +304,12 @@ class CudaPeerCopy:
         if self._bound != threading.get_ident():  # once per thread: fewer CUDA calls per copy
             self._cupy.cuda.runtime.setDevice(self._dev)
             self._bound = threading.get_ident()
-        # The block that brings the counter to ``target`` writes the lane word.
-        target = self._counted + grid[0] * grid[1] if prep.word else 0
         ptr = int(table.ctypes.data)  # pinned memory is mapped for the device (UVA)
-        args = (ptr, ptr + 80 * grid[1], TILE, route.tiles, self._counter_ptr(), target)
         t1 = time.perf_counter()
-        self._launch(grid, (*args, prep.word, prep.gen))
+        self._launch(self._func, self._kernel, grid, (ptr, ptr + 80 * grid[1], TILE, route.tiles))
+        if prep.word:  # right behind the copy on the stream: D's word
+            self._launch(self._signal_func, self._signal, (1, 1), (prep.word, prep.gen))
         t2 = time.perf_counter()
-        if prep.word:
-            self._counted = target
         self.stats["copies"] += 1
         self.times["table"].append((t1 - t0) * 1e6)
         self.times["launch"].append((t2 - t1) * 1e6)
@@ -360,18 +349,18 @@ class CudaPeerCopy:
 
     # ---- internals ---------------------------------------------------------------------------
 
-    def _counter_ptr(self) -> int:
-        return int(self._counter.data.ptr)
-
-    def _launch(self, grid: tuple[int, int], args: tuple[int, ...]) -> None:
-        if self._func is None:  # this CuPy hides the CUfunction: its own (slower) launch
+    def _launch(
+        self, func: int | None, kernel: Any, grid: tuple[int, int], args: tuple[int, ...]
+    ) -> None:
+        threads = THREADS if grid != (1, 1) else 1
+        if func is None:  # this CuPy hides the CUfunction: its own (slower) launch
             with self.stream:
-                self._kernel(grid, (THREADS,), tuple(np.uint64(a) for a in args))
+                kernel(grid, (threads,), tuple(np.uint64(a) for a in args))
             return
         slots = self._drv.args
         for i, a in enumerate(args):
             slots[i] = a
-        self._drv.launch(self._func, grid, THREADS, self._stream)
+        self._drv.launch(func, grid, threads, self._stream)
 
     def _signal_to(self, prep: _Prepared, mapped: _Mapped, signal: Signal) -> None:
         """Point the copy at D's lane word; without a usable lane it is waited for."""

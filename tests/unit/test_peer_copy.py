@@ -162,6 +162,7 @@ def test_lane_word_ends_the_receive_and_the_copy_was_armed_at_registration(pair:
     # the first could not be: P had not connected to D yet.
     assert d.stats["lane_done"] == 2 and d.stats["recv_done"] == 2
     assert p.stats["copy_armed"] == 1 and hook.prepared == 2 and p.stats["copies_done"] == 2
+    assert p.stats["copy_early"] == 1  # and launched before the leg's bookkeeping
     assert not d.lane.waiting  # every word given back
 
 
