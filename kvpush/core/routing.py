@@ -13,6 +13,7 @@ Pairs are computed once per peer; descriptors per WRITE, contiguous runs coalesc
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -47,11 +48,12 @@ class RegionPair:
     segments: tuple[Segment, ...] = ()
 
 
-def p_targets(p_rank: int, p_tp: int, d_tp: int, attention: str) -> list[int]:
-    """D ranks one P rank writes to."""
+@functools.lru_cache(maxsize=256)
+def p_targets(p_rank: int, p_tp: int, d_tp: int, attention: str) -> frozenset[int]:
+    """D ranks one P rank writes to (cached: asked for every transfer)."""
     if attention == "mla":  # pages are replicated: D rank j reads from P rank j % p_tp
-        return [j for j in range(d_tp) if j % p_tp == p_rank]
-    return [j for j in range(d_tp) if _overlap(p_rank, p_tp, j, d_tp)]
+        return frozenset(j for j in range(d_tp) if j % p_tp == p_rank)
+    return frozenset(j for j in range(d_tp) if _overlap(p_rank, p_tp, j, d_tp))
 
 
 def d_sources(d_rank: int, d_tp: int, p_tp: int, attention: str) -> list[int]:

@@ -267,9 +267,10 @@ class Bench:
         nl, rl = a.lat_blocks, a.lat_reps + 1
         res["latency"]["raw"] = self._guard(self.raw, lb, nl, rl, True)
         for i, tune in enumerate(a.lat_tunes.split(",")):
-            sleep_s, switch_s = (float(x) for x in tune.split(":"))
+            sleep_s, switch_s, *rest = tune.split(":")
+            spin = bool(rest and rest[0] == "spin")
             for proc in (self.P, self.D):
-                proc.call("tune", sleep_s, switch_s)
+                proc.call("tune", float(sleep_s), float(switch_s), spin)
             for name, staging, backend, bind, writer in self.modes(latency=True):
                 key = name if i == 0 else f"{name}@{tune}"
                 self._mode = name
@@ -345,7 +346,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--lat-tunes",
         default="0:5e-5,1e-4:5e-3,5e-5:1e-5",
-        help="latency runs per engine-loop sleep:GIL switch interval (s), comma-separated",
+        help="latency runs per engine-loop sleep:GIL switch interval (s)[:spin], comma-separated"
+        " (spin: both engines step between requests too, as under load)",
     )
     ap.add_argument("--unbound", type=int, default=1, help="also time unbound writer threads")
     ap.add_argument("--seed", type=int, default=0)

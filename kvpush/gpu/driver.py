@@ -23,8 +23,9 @@ class CudaError(RuntimeError):
 class Driver:
     def __init__(self, params: int) -> None:
         cu = ctypes.CDLL("libcuda.so.1")
+        # No argtypes: each argument is passed ready-made (ctypes then converts nothing;
+        # the grid and block sizes, plain ints, go as C ints).
         self._launch = cu.cuLaunchKernel
-        self._launch.argtypes = [_vp, *[_uint] * 7, _vp, _vp, _vp]
         self._query = cu.cuStreamQuery
         self._query.argtypes = [_vp]
         self._sync = cu.cuStreamSynchronize
@@ -43,7 +44,8 @@ class Driver:
         base = ctypes.addressof(self.args)
         self._argv = (_vp * params)(*[base + 8 * i for i in range(params)])
 
-    def launch(self, func: int, grid: tuple[int, int], threads: int, stream: int) -> None:
+    def launch(self, func: Any, grid: tuple[int, int], threads: int, stream: Any) -> None:
+        """``func`` and ``stream`` as ``handle()`` made them; arguments in ``args``."""
         err = self._launch(func, grid[0], grid[1], 1, threads, 1, 1, 0, stream, self._argv, None)
         if err:
             raise CudaError(f"cuLaunchKernel failed: CUDA error {err}")
@@ -85,6 +87,11 @@ class Driver:
         if err:
             raise LayoutError(f"cuMemGetAddressRange failed ({err}) for {ptr:#x}")
         return int(base.value), int(size.value)
+
+
+def handle(ptr: int) -> ctypes.c_void_p:
+    """A CUfunction or CUstream, ready to pass to ``Driver.launch``."""
+    return ctypes.c_void_p(ptr)
 
 
 def function_of(kernel: Any) -> int | None:

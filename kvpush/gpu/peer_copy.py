@@ -39,7 +39,7 @@ import numpy as np
 from kvpush.core.errors import LayoutError
 from kvpush.core.lane import LaneView
 from kvpush.core.peer_copy import CopyDst, Signal
-from kvpush.gpu.driver import Driver, function_of
+from kvpush.gpu.driver import Driver, function_of, handle
 
 log = logging.getLogger(__name__)
 
@@ -203,16 +203,25 @@ class _Route:
 class _Prepared:
     """One copy, ready but for P's ids; its pinned table lives as long as it does."""
 
-    __slots__ = ("route", "dst", "mem", "table", "src_at", "n", "word", "gen", "lane", "slot")
+    __slots__ = (
+        *("route", "dst", "mem", "table", "ptr", "src_at", "n"),
+        *("word", "gen", "lane", "slot"),
+    )
 
     def __init__(self, route: _Route, dst: CopyDst, mem: Any, table: np.ndarray) -> None:
         self.route, self.dst, self.mem, self.table = route, dst, mem, table
+        self.ptr = int(table.ctypes.data)  # pinned memory is mapped for the device (UVA)
         self.src_at = -1  # single group: where P's ids go (-1: the whole table at launch)
         self.n = sum(len(g) for g in dst.dst)  # blocks D receives (single group: its ids)
         self.word = 0  # the device address of D's lane word (0: no signal)
         self.gen = 0
         self.lane: Any = None  # the lane's words, as mapped here: finished() reads ours
         self.slot = 0
+
+
+def _handle_of(kernel: Any) -> Any:
+    func = function_of(kernel)
+    return None if func is None else handle(func)
 
 
 class CudaPeerCopy:
@@ -246,9 +255,10 @@ class CudaPeerCopy:
             self._signal = module.get_function("kvpush_lane_word")
             self.stream = cupy.cuda.Stream(non_blocking=True)
             # The CUfunctions, to launch through the driver (None: through CuPy).
-            self._func = function_of(self._kernel)
-            self._signal_func = function_of(self._signal)
+            self._func = _handle_of(self._kernel)
+            self._signal_func = _handle_of(self._signal)
         self._stream = int(self.stream.ptr)
+        self._stream_h = handle(self._stream)
         self._bound = 0  # the thread the device was made current on
         self.times: dict[str, deque[float]] = defaultdict(lambda: deque(maxlen=64))
         self.peers: dict[str, _Mapped | None] = {}  # None: this peer is declined
@@ -297,6 +307,7 @@ class CudaPeerCopy:
             if need > len(table):  # P has more groups than D: the general table is longer
                 prep.mem = self._cupy.cuda.alloc_pinned_memory(need * 8)
                 table = prep.table = np.frombuffer(prep.mem, dtype=np.int64, count=need)
+                prep.ptr = -1
             most = route.fill(table, prep.dst, src)
         grid = (most * route.tiles, len(route.head))
         if grid[0] > MAX_GRID_X:
@@ -304,7 +315,9 @@ class CudaPeerCopy:
         if self._bound != threading.get_ident():  # once per thread: fewer CUDA calls per copy
             self._cupy.cuda.runtime.setDevice(self._dev)
             self._bound = threading.get_ident()
-        ptr = int(table.ctypes.data)  # pinned memory is mapped for the device (UVA)
+        ptr = prep.ptr
+        if ptr < 0:  # the table was grown at this launch
+            ptr = prep.ptr = int(table.ctypes.data)
         t1 = time.perf_counter()
         self._launch(self._func, self._kernel, grid, (ptr, ptr + 80 * grid[1], TILE, route.tiles))
         if prep.word:  # right behind the copy on the stream: D's word
@@ -349,9 +362,7 @@ class CudaPeerCopy:
 
     # ---- internals ---------------------------------------------------------------------------
 
-    def _launch(
-        self, func: int | None, kernel: Any, grid: tuple[int, int], args: tuple[int, ...]
-    ) -> None:
+    def _launch(self, func: Any, kernel: Any, grid: tuple[int, int], args: tuple[int, ...]) -> None:
         threads = THREADS if grid != (1, 1) else 1
         if func is None:  # this CuPy hides the CUfunction: its own (slower) launch
             with self.stream:
@@ -360,7 +371,7 @@ class CudaPeerCopy:
         slots = self._drv.args
         for i, a in enumerate(args):
             slots[i] = a
-        self._drv.launch(func, grid, threads, self._stream)
+        self._drv.launch(func, grid, threads, self._stream_h)
 
     def _signal_to(self, prep: _Prepared, mapped: _Mapped, signal: Signal) -> None:
         """Point the copy at D's lane word; without a usable lane it is waited for."""

@@ -5,7 +5,7 @@ grown on demand) and can be set up again with another GpuSpec (a new agent
 over the same memory), so a benchmark pays process start and CUDA init once.
 Commands (tuples): ("setup", spec), ("prefill", rid, tid, n, blocks),
 ("register", rid, tid, n, p_engine, p_host, p_port, blocks), ("stats",), ("pending",),
-("profile", "start" | "stop", top), ("tune", sleep_s, switch_s),
+("profile", "start" | "stop", top), ("tune", sleep_s, switch_s[, spin]),
 ("raw_open", role, nbytes), ("raw_connect", md), ("raw_write", ...), ("raw_wait", n, timeout),
 ("raw_fill", ids, block, key, poison), ("raw_verify", ids, block, key), ("ceiling", nbytes,
 dst_device, reps), ("stop",). Replies and engine events are (kind, id, dict).
@@ -40,6 +40,9 @@ class _Child:
         self.engine: Any = None
         self.raw: Any = None
         self.loop_sleep_s = 0.0
+        # Step the engine even while it has no push work (a serving engine under load
+        # keeps stepping); False: block on the pipe between requests, as an idle one does.
+        self.spin = False
         self.prof: Any = None
 
     def buffer(self, name: str, nbytes: int) -> Any:
@@ -83,8 +86,9 @@ class _Child:
         e = self.engine
         if kind == "setup":
             return self.setup(args[0])
-        if kind == "tune":  # engine-loop sleep and the GIL switch interval
+        if kind == "tune":  # engine-loop sleep, the GIL switch interval, stepping while idle
             self.loop_sleep_s = float(args[0])
+            self.spin = bool(args[2]) if len(args) > 2 else False
             if args[1] > 0:
                 sys.setswitchinterval(float(args[1]))
             return ("tuned", "", {"switch_s": sys.getswitchinterval()})
@@ -283,7 +287,7 @@ def _serve(
     try:
         while True:
             busy = child.engine is not None and child.engine.busy()
-            if conn.poll(0 if busy else 0.01):
+            if conn.poll(0 if busy or child.spin else 0.01):
                 cmd = conn.recv()
                 if cmd[0] == "stop":
                     return
