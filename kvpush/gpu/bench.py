@@ -51,6 +51,7 @@ STAGES = (
     "posted",  # NIXL WRITE posted
     "notif",  # D's writer got the completion notification
     "scatter",  # staged: scatter started
+    "polled",  # D's worker read its lane for the last time before it held the word
     "ready",  # D's worker reports the KV received
     "engine",  # D's engine saw it in finished_recving
 )

@@ -132,11 +132,12 @@ class GpuEngine:
         """
         w, marks = self.worker, self.marks
         prod, cons = w.producer, w.consumer
-        on_finished, push, on_completion, emit = (
+        on_finished, push, on_completion, emit, poll_lane = (
             prod.on_finished,
             prod._push,
             cons.on_completion,
             w.emit,
+            cons.poll_lane,
         )
 
         def t_on_finished(staged: Any) -> None:
@@ -166,9 +167,16 @@ class GpuEngine:
             marks[("notif", c.request_id)] = time.monotonic()
             on_completion(sender, c)
 
+        polls = [0.0, 0.0]  # D: when the lane was read before the latest read, and then
+
+        def t_poll_lane() -> int:
+            polls[0], polls[1] = polls[1], time.monotonic()
+            return poll_lane()
+
         def t_emit(kind: str, rid: str, reason: str = "") -> None:
             if kind == "recv":
                 marks[("ready", rid)] = time.monotonic()
+                marks[("polled", rid)] = polls[0]  # the last read that did not see it yet
             emit(kind, rid, reason)
 
         w.transport.write = stamp("write", w.transport.write)  # type: ignore[method-assign]
@@ -196,6 +204,7 @@ class GpuEngine:
         prod.on_finished = t_on_finished  # type: ignore[method-assign]
         prod._push = t_push  # type: ignore[method-assign]
         cons.on_completion = t_on_completion  # type: ignore[method-assign]
+        cons.poll_lane = t_poll_lane  # type: ignore[method-assign]
         w.emit = t_emit  # type: ignore[method-assign]
 
     def _marks(self, rid: str, *names: str) -> dict[str, float]:
@@ -288,7 +297,7 @@ class GpuEngine:
             nbytes = len(blocks) * self.spec.regions * self.spec.block_bytes
             took = time.monotonic() - t0
             info = {"t": now, "bytes": nbytes, "bad_regions": bad, "verify_s": took}
-            info.update(self._marks(rid, "notif", "scatter", "ready"))
+            info.update(self._marks(rid, "notif", "scatter", "polled", "ready"))
             self._give(blocks, owned)
             self.events.append(("recv", rid, info))
         for rid, reason in out.failed_recving.items():

@@ -10,10 +10,12 @@ computes every address itself, so the host uploads ids, not a descriptor per
 block. ``prepare`` (when D registers) builds the kernel's table with D's ids in
 pinned memory; ``launch`` (when P's blocks are ready) adds P's ids and launches.
 
-With a word of D's completion lane (core/lane.py) a one-thread kernel queued right
-behind the copy on the same stream fences and writes the word, and P does not wait:
-``finished`` reads the word (or asks the stream). Without one, P waits for the
-kernel and the core sends the completion. A peer on another host, a
+With a word of D's completion lane (core/lane.py) the copy writes the word once
+every byte has landed, and P does not wait: ``finished`` reads the word (or asks
+the stream). A small copy writes it from its own last thread block (a grid-wide
+count); a large one has a one-thread kernel queued right behind it on the stream
+(per-block fences would slow its bulk). Without a word, P waits for the kernel
+and the core sends the completion. A peer on another host, a
 mapping that fails or a block outside what the peer exported is declined: the
 core WRITEs instead.
 
@@ -68,14 +70,17 @@ def host_identity() -> str:
 _KERNEL = r"""
 extern "C" __global__ void kvpush_piece_copy(const long long* __restrict__ table,
                                              const long long* __restrict__ ids,
-                                             long long tile, long long tiles) {
+                                             long long tile, long long tiles,
+                                             unsigned long long* counter,
+                                             unsigned long long target,
+                                             unsigned long long* word,
+                                             unsigned long long gen) {
     // Row blockIdx.y: src base, dst base, src stride, dst stride, src off, dst off,
     // length, offset of its src ids, offset of its dst ids, count.
     const long long* p = table + 10LL * blockIdx.y;
     long long i = blockIdx.x / tiles, start = (blockIdx.x % tiles) * tile;
     long long len = p[6];
-    if (i >= p[9] || start >= len) return;
-    {
+    if (i < p[9] && start < len) {
         long long n = len - start < tile ? len - start : tile;
         unsigned long long s = (unsigned long long)(p[0] + ids[p[7] + i] * p[2] + p[4] + start);
         unsigned long long d = (unsigned long long)(p[1] + ids[p[8] + i] * p[3] + p[5] + start);
@@ -99,9 +104,23 @@ extern "C" __global__ void kvpush_piece_copy(const long long* __restrict__ table
             for (long long j = threadIdx.x; j < n; j += blockDim.x) db[j] = sb[j];
         }
     }
+    if (word != 0) {
+        // Small copies signal from the kernel itself (one launch fewer): each block's
+        // stores are visible system-wide before it is counted (a per-block cost that
+        // large copies avoid with kvpush_lane_word), and the block completing the
+        // count writes D's word after one more fence.
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            __threadfence_system();
+            if (atomicAdd(counter, 1ULL) + 1ULL == target) {
+                __threadfence_system();
+                *reinterpret_cast<volatile unsigned long long*>(word) = gen;
+            }
+        }
+    }
 }
 
-// Launched after the copy on its stream: every byte of the copy is in place (stream
+// Launched after a large copy on its stream: every byte of the copy is in place (stream
 // order) and, past the fence, visible to the host and to D's device before the word is.
 extern "C" __global__ void kvpush_lane_word(unsigned long long* word, unsigned long long gen) {
     __threadfence_system();
@@ -112,6 +131,7 @@ THREADS = 256
 TILE = 64 << 10  # bytes per thread block: long pages are cut so the grid fills the GPU
 MAX_ROWS = 65535  # grid y
 MAX_GRID_X = (1 << 31) - 1
+FUSED_MAX_BLOCKS = 512  # copies of up to this many thread blocks write the lane word themselves
 
 
 def table_len(pieces: np.ndarray, src: Sequence[Any], dst: Sequence[Any]) -> int:
@@ -236,7 +256,7 @@ class CudaPeerCopy:
 
         self._cupy = cupy
         self._dev = int(self.device.index or 0)
-        self._drv = Driver(params=4)
+        self._drv = Driver(params=8)
         spans: dict[int, int] = {}
         with torch.cuda.device(self.device):
             torch.cuda.synchronize(self.device)  # the context is current on this thread
@@ -254,11 +274,14 @@ class CudaPeerCopy:
             self._kernel = module.get_function("kvpush_piece_copy")
             self._signal = module.get_function("kvpush_lane_word")
             self.stream = cupy.cuda.Stream(non_blocking=True)
+            self._counter = cupy.zeros(1, dtype=cupy.uint64)  # fused copies' blocks done, ever
+            self._counter_at = int(self._counter.data.ptr)
             # The CUfunctions, to launch through the driver (None: through CuPy).
             self._func = _handle_of(self._kernel)
             self._signal_func = _handle_of(self._signal)
         self._stream = int(self.stream.ptr)
         self._stream_h = handle(self._stream)
+        self._counted = 0  # thread blocks of fused copies launched, ever
         self._bound = 0  # the thread the device was made current on
         self.times: dict[str, deque[float]] = defaultdict(lambda: deque(maxlen=64))
         self.peers: dict[str, _Mapped | None] = {}  # None: this peer is declined
@@ -315,13 +338,21 @@ class CudaPeerCopy:
         if self._bound != threading.get_ident():  # once per thread: fewer CUDA calls per copy
             self._cupy.cuda.runtime.setDevice(self._dev)
             self._bound = threading.get_ident()
+        word = (prep.word, prep.gen)
         ptr = prep.ptr
         if ptr < 0:  # the table was grown at this launch
             ptr = prep.ptr = int(table.ctypes.data)
         t1 = time.perf_counter()
-        self._launch(self._func, self._kernel, grid, (ptr, ptr + 80 * grid[1], TILE, route.tiles))
-        if prep.word:  # right behind the copy on the stream: D's word
-            self._launch(self._signal_func, self._signal, (1, 1), (prep.word, prep.gen))
+        args = (ptr, ptr + 80 * grid[1], TILE, route.tiles)
+        blocks = grid[0] * grid[1]
+        if prep.word and blocks <= FUSED_MAX_BLOCKS:  # the copy's last block writes the word
+            target = self._counted + blocks
+            self._launch(self._func, self._kernel, grid, (*args, self._counter_at, target, *word))
+            self._counted = target
+        else:
+            self._launch(self._func, self._kernel, grid, (*args, 0, 0, 0, 0))
+            if prep.word:  # right behind the copy on the stream: D's word
+                self._launch(self._signal_func, self._signal, (1, 1), word)
         t2 = time.perf_counter()
         self.stats["copies"] += 1
         self.times["table"].append((t1 - t0) * 1e6)
