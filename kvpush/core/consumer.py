@@ -44,6 +44,7 @@ class RecvTransfer:
     fail_reason: str = ""  # failing: waiting for the other sources before reporting it
     aborted: bool = False
     lanes: list[int] = field(default_factory=list)  # our lane's words reserved for sources
+    laned: bool = False  # every source got a word: the receive ends by a memory read
 
     @property
     def p_agent(self) -> str | None:
@@ -68,9 +69,14 @@ class Consumer:
         # ("reg", RecvRegistration, None | (port, handshake future)) | ("cancel", id, expired)
         self.reg_send_inbox: queue.SimpleQueue[tuple[str, Any, Any]] = queue.SimpleQueue()
         self.recvs: dict[str, RecvTransfer] = {}
+        self.laned = 0  # receives whose every source has a lane word
 
     def outstanding(self) -> int:
         return len(self.recvs)
+
+    def only_lanes(self) -> bool:
+        """Every outstanding receive ends by a lane word (none waits on a notification)."""
+        return len(self.recvs) == self.laned
 
     # ---- inbox -----------------------------------------------------------------------------
 
@@ -142,6 +148,9 @@ class Consumer:
                 return
         t.agents = [p.agent for p in ready]
         t.sources = [p.agent for p, (_, src) in zip(ready, ranks, strict=True) if src]
+        if t.sources and len(t.lanes) == len(t.sources):
+            t.laned = True
+            self.laned += 1
         transition(t, State.AWAITING, t.name, f"registered with {len(t.agents)} P ranks")
 
     def _with_lane(self, t: RecvTransfer, msg: wire.PushReg, peer: Peer, src: bool) -> wire.PushReg:
@@ -337,7 +346,8 @@ class Consumer:
         transition(t, state, t.name, reason)
         if state is State.FAILED or state is State.EXPIRED:
             log.warning("receive %s ended %s: %s", t.name, state.value, reason)
-        self.recvs.pop(t.rid, None)
+        if self.recvs.pop(t.rid, None) is t and t.laned:
+            self.laned -= 1
         if self.w.lane is not None:
             for slot in t.lanes:
                 self.w.lane.release(slot)

@@ -39,6 +39,7 @@ class MatchTable(Generic[V]):
 
     def __init__(self) -> None:
         self._entries: OrderedDict[int, tuple[Key, V]] = OrderedDict()
+        self._bases: dict[int, str] = {}  # slot -> base id (a regex each; kept, not redone)
         self._by_tid: dict[str, int] = {}
         self._by_rid: dict[str, list[int]] = {}
         self._by_base: dict[str, list[int]] = {}
@@ -65,7 +66,8 @@ class MatchTable(Generic[V]):
         if key.transfer_id is not None:
             self._by_tid[key.transfer_id] = slot
         self._by_rid.setdefault(key.request_id, []).append(slot)
-        self._by_base.setdefault(base_request_id(key.request_id), []).append(slot)
+        base = self._bases[slot] = base_request_id(key.request_id)
+        self._by_base.setdefault(base, []).append(slot)
 
     def find(self, key: Key) -> V | None:
         slot = self._find_slot(key)
@@ -105,7 +107,7 @@ class MatchTable(Generic[V]):
         if key.transfer_id is not None:
             self._by_tid.pop(key.transfer_id, None)
         _drop(self._by_rid, key.request_id, slot)
-        _drop(self._by_base, base_request_id(key.request_id), slot)
+        _drop(self._by_base, self._bases.pop(slot), slot)
         return value
 
 

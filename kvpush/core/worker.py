@@ -387,8 +387,13 @@ class PushWorker:
         idle = False
         if self.producer.has_unmatched():
             wait = cfg.match_poll_s
-        elif self.producer.writing or self.consumer.outstanding() or self._hs_futures:
+        elif self.producer.writing or self._hs_futures:
             wait = self._poll_s
+        elif self.consumer.outstanding():
+            # Inline, get_finished reads the lane every call: while only lane words are
+            # awaited, notifications (a PUSH_FAIL, heartbeats) can wait for the slow poll.
+            lanes = self.inline and self.consumer.only_lanes()
+            wait = cfg.max_poll_interval_s if lanes else self._poll_s
         else:
             wait, idle = cfg.idle_poll_s, True
         self._writer_idle = idle

@@ -189,10 +189,12 @@ class Bench:
         copier = self.setup(block, staging, backend, bind, writer)
         n_all = self.a.total // block
         runs, bad = [], 0.0
-        profile = latency and self.a.profile and tag == "t0" and self.a.profile == self._mode
+        mode, _, side = self.a.profile.partition(":")
+        proc = self.D if side == "D" else self.P
+        profile = latency and mode and tag == "t0" and mode == self._mode
         for i in range(rounds):
-            if profile and i == 1:  # P's engine thread over the timed rounds
-                self.P.call("profile", "start")
+            if profile and i == 1:  # the engine thread over the timed rounds
+                proc.call("profile", "start")
             src = self.rng.permutation(n_all)[:n_blocks]
             dst = self.rng.permutation(n_all)[:n_blocks]
             r = self.round(f"b{block}-n{n_blocks}-s{staging}-{backend}-{tag}-{i}", src, dst)
@@ -200,8 +202,8 @@ class Bench:
             if i:
                 runs.append(r)
         if profile:
-            text = self.P.call("profile", "stop", 45)["text"]
-            print(f"profile of P ({self._mode}, {rounds - 1} rounds):\n{text}", flush=True)
+            text = proc.call("profile", "stop", 45)["text"]
+            print(f"profile of {side or 'P'} ({mode}, {rounds - 1} rounds):\n{text}", flush=True)
         st = self.P.call("stats")
         res: dict[str, Any] = {
             "verified": bad == 0,
@@ -352,7 +354,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--unbound", type=int, default=1, help="also time unbound writer threads")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--profile", default="", help="cProfile P's engine thread in this latency mode")
+    ap.add_argument(
+        "--profile", default="", help="cProfile P's (MODE) or D's (MODE:D) engine thread"
+    )
     ap.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "gpu_bench.json"))
     args = ap.parse_args(argv)
     bench = Bench(args)

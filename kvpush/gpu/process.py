@@ -124,7 +124,7 @@ class _Child:
         self.prof.disable()
         out = io.StringIO()
         stats = pstats.Stats(self.prof, stream=out)
-        stats.sort_stats("tottime").print_stats("kvpush|nixl|cupy|numpy", top)
+        stats.sort_stats("tottime").print_stats(top)
         stats.sort_stats("cumulative").print_stats("kvpush|nixl|cupy|numpy", top)
         return ("profile", "stop", {"text": out.getvalue()})
 
