@@ -148,8 +148,12 @@ class PushWorker:
             self.consumer.reg_send_inbox.put(("cancel", rid, False))
         for rid in meta.expired:
             self.consumer.reg_send_inbox.put(("cancel", rid, True))
-        for staged in meta.finished:
-            self.producer.finished_blocks_inbox.put(staged)
+        if self.inline:  # straight to the producer: its copy may start before anything else
+            for staged in meta.finished:
+                self._guard(self.producer.on_finished, staged)
+        else:
+            for staged in meta.finished:
+                self.producer.finished_blocks_inbox.put(staged)
         for rid in meta.evictions:
             self.producer.evict_finished_inbox.put(rid)
         for rid, reason in meta.rejected.items():

@@ -399,9 +399,7 @@ class CudaPeerCopy:
             with self.stream:
                 kernel(grid, (threads,), tuple(np.uint64(a) for a in args))
             return
-        slots = self._drv.args
-        for i, a in enumerate(args):
-            slots[i] = a
+        self._drv.args[: len(args)] = args  # type: ignore[call-overload]
         self._drv.launch(func, grid, threads, self._stream_h)
 
     def _signal_to(self, prep: _Prepared, mapped: _Mapped, signal: Signal) -> None:

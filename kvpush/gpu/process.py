@@ -302,7 +302,7 @@ def _serve(
                 child.engine.step()
                 for ev in child.engine.take_events():
                     conn.send(ev)
-                if busy:
+                if busy and child.loop_sleep_s > 0:  # (sleep(0) still sleeps ~50 us: timer slack)
                     time.sleep(child.loop_sleep_s)
     finally:
         child.close_engine()
