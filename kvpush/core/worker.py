@@ -41,6 +41,7 @@ from kvpush.core.types import StepMeta, WorkerConfig, WorkerOutput
 log = logging.getLogger(__name__)
 
 PeerKey = tuple[str, int]
+LANE_TICK_S = 1e-3  # inline, only lane words awaited: the full tick at most this often
 
 
 @dataclass
@@ -397,7 +398,7 @@ class PushWorker:
             # Inline, get_finished reads the lane every call: while only lane words are
             # awaited, notifications (a PUSH_FAIL, heartbeats) can wait for the slow poll.
             lanes = self.inline and self.consumer.only_lanes()
-            wait = cfg.max_poll_interval_s if lanes else self._poll_s
+            wait = max(cfg.max_poll_interval_s, LANE_TICK_S) if lanes else self._poll_s
         else:
             wait, idle = cfg.idle_poll_s, True
         self._writer_idle = idle

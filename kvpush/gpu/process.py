@@ -302,7 +302,10 @@ def _serve(
                 child.engine.step()
                 for ev in child.engine.take_events():
                     conn.send(ev)
-                if busy and child.loop_sleep_s > 0:  # (sleep(0) still sleeps ~50 us: timer slack)
+                # Sleep between busy steps; even sleep(0) lasts ~50 us (timer slack) but
+                # hands the GIL to a writer thread. An inline worker has none: no sleep.
+                inline = child.engine.worker.inline
+                if busy and (child.loop_sleep_s > 0 or not inline):
                     time.sleep(child.loop_sleep_s)
     finally:
         child.close_engine()
