@@ -131,8 +131,6 @@ THREADS = 256
 TILE = 64 << 10  # bytes per thread block: long pages are cut so the grid fills the GPU
 MAX_ROWS = 65535  # grid y
 MAX_GRID_X = (1 << 31) - 1
-SPREAD_BLOCKS = 256  # a copy of fewer thread blocks is cut into smaller tiles, down to
-MIN_TILE = 4 << 10
 FUSED_MAX_BLOCKS = 512  # copies of up to this many thread blocks write the lane word themselves
 
 
@@ -201,18 +199,7 @@ class _Route:
             self.head[r, 1] = base + (mapped.local[i] - mapped.remote[i] if i >= 0 else 0)
         # One group each side: every row reads src ids n..2n-1 and dst ids 0..n-1.
         self.single = k > 0 and not pieces[:, 7:9].any()
-        self.longest = int(pieces[:, 6].max()) if k else 0
-        self.tiles = -(-self.longest // TILE) if k else 1
-
-    def tiling(self, most: int) -> tuple[int, int]:
-        """(tile bytes, tiles per piece) for ``most`` blocks: a small copy is cut finer,
-        so that it spreads over many SMs instead of a few (its latency, not bandwidth)."""
-        rows = len(self.head)
-        if most * rows * self.tiles >= SPREAD_BLOCKS or not self.longest:
-            return TILE, self.tiles
-        want = -(-SPREAD_BLOCKS // (most * rows))  # tiles per piece
-        tile = max(MIN_TILE, (-(-self.longest // want) + 15) // 16 * 16)
-        return tile, -(-self.longest // tile)
+        self.tiles = -(-int(pieces[:, 6].max()) // TILE) if k else 1
 
     def fits(self, dst: CopyDst) -> bool:
         return all(m <= self.max_id[g] for g, m in enumerate(dst.dst_max) if m >= 0)
@@ -345,10 +332,9 @@ class CudaPeerCopy:
                 table = prep.table = np.frombuffer(prep.mem, dtype=np.int64, count=need)
                 prep.ptr = -1
             most = route.fill(table, prep.dst, src)
-        tile, tiles = route.tiling(most)
-        grid = (most * tiles, len(route.head))
+        grid = (most * route.tiles, len(route.head))
         if grid[0] > MAX_GRID_X:
-            raise LayoutError(f"{most} blocks of {tiles} tiles exceed one launch")
+            raise LayoutError(f"{most} blocks of {route.tiles} tiles exceed one launch")
         if self._bound != threading.get_ident():  # once per thread: fewer CUDA calls per copy
             self._cupy.cuda.runtime.setDevice(self._dev)
             self._bound = threading.get_ident()
@@ -357,7 +343,7 @@ class CudaPeerCopy:
         if ptr < 0:  # the table was grown at this launch
             ptr = prep.ptr = int(table.ctypes.data)
         t1 = time.perf_counter()
-        args = (ptr, ptr + 80 * grid[1], tile, tiles)
+        args = (ptr, ptr + 80 * grid[1], TILE, route.tiles)
         blocks = grid[0] * grid[1]
         if prep.word and blocks <= FUSED_MAX_BLOCKS:  # the copy's last block writes the word
             target = self._counted + blocks
