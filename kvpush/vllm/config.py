@@ -33,6 +33,9 @@ class ConnectorOptions:
     # vLLM's worker thread (vLLM steps while any push is pending on either side);
     # "thread": a writer thread per rank does it.
     writer: str = "inline"
+    # Words of the completion lane a decoder offers same-host copies (0: completions over
+    # NIXL only); see kvpush/core/lane.py.
+    lane_slots: int = 1 << 16
     trusted_decoders: str = ""  # "host:port,host:port" of decoder side channels; empty: any
     shared_secret: str = ""
 
@@ -97,4 +100,6 @@ class ConnectorOptions:
             raise ConfigError("descriptor_mode must be 'coalesced' or 'prepped'")
         if opts.writer not in ("thread", "inline"):
             raise ConfigError("writer must be 'thread' or 'inline'")
+        if not 0 <= opts.lane_slots <= 1 << 20:
+            raise ConfigError(f"lane_slots must be in [0, {1 << 20}]")
         return opts

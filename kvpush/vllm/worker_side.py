@@ -114,6 +114,7 @@ class WorkerSide:
             registration_ttl_s=self.opts.registration_ttl_s,
             descriptor_mode=self.opts.descriptor_mode,
             writer=self.opts.writer,
+            lane_slots=self.opts.lane_slots,
             trusted_decoders=self.opts.trusted,
             shared_secret=self.opts.secret,
         )

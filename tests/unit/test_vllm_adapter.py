@@ -17,6 +17,8 @@ def test_options_defaults_env_and_validation() -> None:
     assert o.side_channel_port == 5600 and o.trusted is None and o.secret is None
     assert o.writer == "inline"
     assert ConnectorOptions.parse({"writer": "thread"}, env={}).writer == "thread"
+    assert o.lane_slots == 1 << 16
+    assert ConnectorOptions.parse({"lane_slots": 0}, env={}).lane_slots == 0
     o = ConnectorOptions.parse(
         {"side_channel_port": "5701", "trusted_decoders": ["10.0.0.2:5800", "h:5801"]},
         env={"KVPUSH_SHARED_SECRET": "abc", "KVPUSH_SIDE_CHANNEL_HOST": "0.0.0.0"},
@@ -31,6 +33,7 @@ def test_options_defaults_env_and_validation() -> None:
         ({"descriptor_mode": "fast"}, "descriptor_mode"),
         ({"peer_copy": "maybe"}, "peer_copy"),
         ({"writer": "fiber"}, "writer"),
+        ({"lane_slots": -1}, "lane_slots"),
         ({"trusted_decoders": "no-port"}, "not host:port"),
         ({"shared_secret": "x"}, "unknown kvpush option"),  # secrets come from the environment
     ]:
