@@ -171,6 +171,7 @@ class _Mapped:
         self.local = [local[i] for i in order]
         self.route: _Route | None = None  # for the pieces of the last copy
         self.lane: tuple[LaneView, int] | None = None  # the peer's lane and its device address
+        self.lane_failed = False  # mapping it failed once: this peer's copies are waited for
 
 
 class _Route:
@@ -404,6 +405,8 @@ class CudaPeerCopy:
 
     def _signal_to(self, prep: _Prepared, mapped: _Mapped, signal: Signal) -> None:
         """Point the copy at D's lane word; without a usable lane it is waited for."""
+        if mapped.lane_failed:
+            return
         if mapped.lane is None:
             try:
                 view = LaneView(signal.lane)
@@ -411,6 +414,7 @@ class CudaPeerCopy:
                     mapped.lane = (view, self._drv.map_host(view.address(), view.slots * 8))
             except Exception as e:  # another user's file, no /dev/shm, not registrable
                 self.stats["lane_failed"] += 1
+                mapped.lane_failed = True
                 log.warning("cannot map lane %s (%s); completions go over NIXL", signal.lane, e)
                 return
         view, dev = mapped.lane
