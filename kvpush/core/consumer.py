@@ -158,6 +158,8 @@ class Consumer:
         lane = self.w.lane
         if lane is None or not src or peer.info.peer_copy is None:
             return msg
+        if not peer.info.host_id or peer.info.host_id != self.w.info.host_id:
+            return msg  # another host: it WRITEs and notifies over NIXL
         got = lane.reserve((t.rid, peer.agent))
         if got is None:
             self.w.stats["lane_full"] += 1

@@ -38,8 +38,10 @@ class AgentInfo(msgspec.Struct, kw_only=True):
     staging: Region | None = None  # the staging buffer, when the worker has a staging hook
     # What a process on the same host needs to map our KV memory (core/peer_copy.py).
     peer_copy: Annotated[bytes, msgspec.Meta(max_length=1 << 20)] | None = None
-    # The name of our completion lane (core/lane.py), when we receive direct copies.
+    # The name of our completion lane (core/lane.py), when we receive direct copies, and
+    # our host (lane.host_identity): lane words go only to peers on the same one.
     lane: Annotated[str, msgspec.Meta(max_length=64)] | None = None
+    host_id: Annotated[str, msgspec.Meta(max_length=512)] = ""
 
 
 class HandshakeRequest(msgspec.Struct, kw_only=True):

@@ -21,6 +21,7 @@ import logging
 import mmap
 import os
 import re
+import socket
 import stat
 import uuid
 from collections import deque
@@ -36,6 +37,16 @@ LANE_DIR = "/dev/shm"
 NAME_RE = re.compile(r"kvpush-lane-[0-9a-f]{32}")
 MAX_SLOTS = 1 << 20
 _VECTOR_FROM = 16  # waiting words checked one by one below this, with numpy above
+
+
+def host_identity() -> str:
+    """Same string for every process of one (booted) host."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
 
 
 def lane_path(name: str) -> str:

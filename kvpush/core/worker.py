@@ -29,7 +29,7 @@ from kvpush.core import wire
 from kvpush.core.consumer import Consumer
 from kvpush.core.errors import KVPushError, TransportError, WireError
 from kvpush.core.handshake import PROTOCOL_VERSION, AgentInfo, SideChannelServer, fetch_agent_info
-from kvpush.core.lane import CompletionLane
+from kvpush.core.lane import CompletionLane, host_identity
 from kvpush.core.layout import KVLayout, block_descs, group_limits, same_block_shape
 from kvpush.core.peer_copy import PeerCopyHook
 from kvpush.core.producer import Producer
@@ -110,6 +110,7 @@ class PushWorker:
             staging=staging.region if staging is not None else None,
             peer_copy=peer_copy.export() if peer_copy is not None else None,
             lane=self.lane.name if self.lane is not None else None,
+            host_id=host_identity(),
         )
         self._wake = threading.Event()
         self._stop = threading.Event()

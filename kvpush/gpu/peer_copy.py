@@ -28,7 +28,6 @@ from __future__ import annotations
 import bisect
 import contextlib
 import logging
-import socket
 import threading
 import time
 from collections import Counter, defaultdict, deque
@@ -39,7 +38,7 @@ import msgspec
 import numpy as np
 
 from kvpush.core.errors import LayoutError
-from kvpush.core.lane import LaneView
+from kvpush.core.lane import LaneView, host_identity
 from kvpush.core.peer_copy import CopyDst, Signal
 from kvpush.gpu.driver import Driver, function_of, handle
 
@@ -55,16 +54,6 @@ class Span(msgspec.Struct, array_like=True, frozen=True):
 class Exported(msgspec.Struct, frozen=True):
     host: str
     spans: list[Span]
-
-
-def host_identity() -> str:
-    """Same string for every process of one (booted) host."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = ""
-    return f"{socket.gethostname()}/{boot}"
 
 
 _KERNEL = r"""

@@ -207,6 +207,23 @@ def test_without_a_lane_word_the_copy_is_waited_for_and_notified(pair: Any, slot
     assert (d.lane is None) == (slots == 0)
 
 
+def test_no_lane_word_for_a_source_on_another_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    hosts = iter(["p-host/boot", "d-host/boot"])  # P's worker is made first
+    monkeypatch.setattr("kvpush.core.worker.host_identity", lambda: next(hosts))
+    pr = StagedPair(
+        None, None, {"peer_copy": MemmovePeerCopy("h1")}, {"peer_copy": MemmovePeerCopy("h1")}
+    )
+    try:
+        pr.push("r0", 4)
+        kind, info = pr.outcome("r0")
+        assert kind == "recv" and info["bad_regions"] == 0
+        d = pr.d.worker
+        assert d.stats["lane_done"] == 0 and d.consumer.laned == 0  # notified over the transport
+        assert pr.p.worker.stats["copies"] == 1
+    finally:
+        pr.close()
+
+
 def test_lane_words_complete_only_their_own_reservation() -> None:
     lane = CompletionLane(2)
     try:
