@@ -69,6 +69,9 @@ class CompletionLane:
         try:
             os.ftruncate(fd, slots * 8)
             self._mm = mmap.mmap(fd, slots * 8)
+        except OSError:
+            os.unlink(self.path)  # (a full /dev/shm) leave nothing behind
+            raise
         finally:
             os.close(fd)
         self._words: Any = memoryview(self._mm).cast("Q")  # one word: a plain int read

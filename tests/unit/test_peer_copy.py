@@ -316,6 +316,8 @@ def test_copy_halves_refuse_what_does_not_fit() -> None:
             copy_src(p, cd, [bad])
     with pytest.raises(LayoutError, match="outside"):
         copy_src(p, cd, [np.array([3, 99])])
+    with pytest.raises(LayoutError, match="integers"):
+        copy_src(p, cd, [[1, "2"]])
 
 
 def test_route_reuses_translated_rows_and_bounds_ids_by_the_export() -> None:
