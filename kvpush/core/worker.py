@@ -127,6 +127,7 @@ class PushWorker:
         # Set by the writer while nothing is outstanding (it sleeps idle_poll_s): steps
         # then need not wake it, new work comes through start_step, which always does.
         self._writer_idle = False
+        self._lanes_only = False  # inline: only lane words are awaited (see _timeout)
         self._writer_running = True  # cleared by the writer thread as it exits
         self._server = SideChannelServer(config.host, config.port, self.info, config.shared_secret)
         # writer="inline": the engine thread ticks in start_step / get_finished instead.
@@ -169,11 +170,12 @@ class PushWorker:
         """Collect what finished since the last call; wakes the writer to poll unless idle."""
         self._check_alive()
         if self.inline:
-            # A lane word is a memory read: look every call. The rest of the tick runs
-            # on the writer's schedule (fast while busy, backing off) or when woken.
+            # A lane word is a memory read: look every call. The whole tick runs every
+            # call while anything else is outstanding, else when woken or due.
             if self.lane is not None and self.lane.waiting:
                 self.consumer.poll_lane()
-            if self._wake.is_set() or time.monotonic() >= self._next_tick:
+            busy = not self._writer_idle and not self._lanes_only
+            if busy or self._wake.is_set() or time.monotonic() >= self._next_tick:
                 self._inline_tick()
         out = WorkerOutput()
         results = self._results
@@ -390,7 +392,7 @@ class PushWorker:
 
     def _timeout(self) -> float:
         cfg = self.config
-        idle = False
+        idle = lanes = False
         if self.producer.has_unmatched():
             wait = cfg.match_poll_s
         elif self.producer.writing or self._hs_futures:
@@ -403,6 +405,7 @@ class PushWorker:
         else:
             wait, idle = cfg.idle_poll_s, True
         self._writer_idle = idle
+        self._lanes_only = lanes
         return max(0.0, min(wait, self._next_timers - time.monotonic()))
 
     def _poll_notifs(self) -> int:
