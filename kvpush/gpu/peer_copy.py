@@ -40,7 +40,7 @@ import numpy as np
 from kvpush.core.errors import LayoutError
 from kvpush.core.lane import LaneView, host_identity
 from kvpush.core.peer_copy import CopyDst, Signal
-from kvpush.gpu.driver import Driver
+from kvpush.gpu.driver import Driver, function_of, handle
 
 log = logging.getLogger(__name__)
 
@@ -229,6 +229,11 @@ class _Prepared:
         self.slot = 0
 
 
+def _handle_of(kernel: Any) -> Any:
+    func = function_of(kernel)
+    return None if func is None else handle(func)
+
+
 class CudaPeerCopy:
     """Export our KV allocations; copy into a same-host peer's with one kernel."""
 
@@ -241,7 +246,7 @@ class CudaPeerCopy:
 
         self._cupy = cupy
         self._dev = int(self.device.index or 0)
-        self._drv = Driver()
+        self._drv = Driver(params=8)
         spans: dict[int, int] = {}
         with torch.cuda.device(self.device):
             torch.cuda.synchronize(self.device)  # the context is current on this thread
@@ -261,7 +266,11 @@ class CudaPeerCopy:
             self.stream = cupy.cuda.Stream(non_blocking=True)
             self._counter = cupy.zeros(1, dtype=cupy.uint64)  # fused copies' blocks done, ever
             self._counter_at = int(self._counter.data.ptr)
+            # The CUfunctions, to launch through the driver (None: through CuPy).
+            self._func = _handle_of(self._kernel)
+            self._signal_func = _handle_of(self._signal)
         self._stream = int(self.stream.ptr)
+        self._stream_h = handle(self._stream)
         self._counted = 0  # thread blocks of fused copies launched, ever
         self._bound = 0  # the thread the device was made current on
         self.times: dict[str, deque[float]] = defaultdict(lambda: deque(maxlen=64))
@@ -328,12 +337,12 @@ class CudaPeerCopy:
         blocks = grid[0] * grid[1]
         if prep.word and blocks <= FUSED_MAX_BLOCKS:  # the copy's last block writes the word
             target = self._counted + blocks
-            self._launch(self._kernel, grid, (*args, self._counter_at, target, *word))
+            self._launch(self._func, self._kernel, grid, (*args, self._counter_at, target, *word))
             self._counted = target
         else:
-            self._launch(self._kernel, grid, (*args, 0, 0, 0, 0))
+            self._launch(self._func, self._kernel, grid, (*args, 0, 0, 0, 0))
             if prep.word:  # right behind the copy on the stream: D's word
-                self._launch(self._signal, (1, 1), word)
+                self._launch(self._signal_func, self._signal, (1, 1), word)
         t2 = time.perf_counter()
         self.stats["copies"] += 1
         self.times["table"].append((t1 - t0) * 1e6)
@@ -374,10 +383,14 @@ class CudaPeerCopy:
 
     # ---- internals ---------------------------------------------------------------------------
 
-    def _launch(self, kernel: Any, grid: tuple[int, int], args: tuple[int, ...]) -> None:
+    def _launch(self, func: Any, kernel: Any, grid: tuple[int, int], args: tuple[int, ...]) -> None:
         threads = THREADS if grid != (1, 1) else 1
-        with self.stream:  # every argument is 8 bytes: pointers and counts alike
-            kernel(grid, (threads,), tuple(np.uint64(a) for a in args))
+        if func is None:  # this CuPy hides the CUfunction: its own (slower) launch
+            with self.stream:
+                kernel(grid, (threads,), tuple(np.uint64(a) for a in args))
+            return
+        self._drv.args[: len(args)] = args  # type: ignore[call-overload]
+        self._drv.launch(func, grid, threads, self._stream_h)
 
     def _signal_to(self, prep: _Prepared, mapped: _Mapped, signal: Signal) -> None:
         """Point the copy at D's lane word; without a usable lane it is waited for."""
