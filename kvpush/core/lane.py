@@ -151,9 +151,6 @@ class LaneView:
     def set(self, slot: int, gen: int) -> None:
         self.words[slot] = gen
 
-    def get(self, slot: int) -> int:
-        return int(self.words[slot])
-
     def close(self) -> None:
         self.words.release()
         with contextlib.suppress(BufferError, ValueError):
