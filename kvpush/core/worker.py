@@ -170,13 +170,14 @@ class PushWorker:
         """Collect what finished since the last call; wakes the writer to poll unless idle."""
         self._check_alive()
         if self.inline:
-            # A lane word is a memory read: look every call. The whole tick runs every
-            # call while anything else is outstanding, else when woken or due.
-            if self.lane is not None and self.lane.waiting:
-                self.consumer.poll_lane()
+            # A lane word is a memory read: look every call (the tick reads the lane
+            # first). The whole tick runs every call while anything else is outstanding,
+            # else when woken or due.
             busy = not self._writer_idle and not self._lanes_only
             if busy or self._wake.is_set() or time.monotonic() >= self._next_tick:
                 self._inline_tick()
+            elif self.lane is not None and self.lane.waiting:
+                self.consumer.poll_lane()
         out = WorkerOutput()
         results = self._results
         while not results.empty():  # the engine thread is the only consumer
