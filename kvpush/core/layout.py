@@ -139,8 +139,12 @@ def validate_block_ids(
             continue
         arr = as_ids(ids)
         limit = limits[g]
-        hi = int(arr.max())
-        if hi >= limit or int(arr.min()) < 0:
+        if arr.size <= 256:  # builtins on a short list: a numpy reduction costs microseconds
+            vals = arr.tolist()
+            hi, lo = max(vals), min(vals)
+        else:
+            hi, lo = int(arr.max()), int(arr.min())
+        if hi >= limit or lo < 0:
             raise LayoutError(f"group {g}: block id outside [0, {limit})")
         if not unique_known and _has_duplicates(arr, limit):
             raise LayoutError(f"group {g}: duplicate block ids")

@@ -90,17 +90,7 @@ def copy_src(
         n = len(ids)
         if n != len(cd.dst[0]):
             raise LayoutError(f"group 0: {n} source blocks, {len(cd.dst[0])} destination")
-        if n:  # builtins on a short list: a numpy reduction costs microseconds each
-            vals = ids.tolist() if isinstance(ids, np.ndarray) and n <= 256 else ids
-            try:
-                if isinstance(vals, np.ndarray):
-                    hi, lo = int(vals.max()), int(vals.min())
-                else:
-                    hi, lo = int(max(vals)), int(min(vals))
-            except (TypeError, ValueError) as e:
-                raise LayoutError(f"block ids must be integers: {e}") from e
-            if hi >= limits[0] or lo < 0:
-                raise LayoutError(f"group 0: block id outside [0, {limits[0]})")
+        validate_block_ids(limits, src_groups, unique_known=True)
         return [ids], n * sum(cd.row_bytes)
     src = [as_ids(g) for g in src_groups]
     validate_block_ids(limits, src, unique_known=True)
