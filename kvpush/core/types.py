@@ -7,6 +7,7 @@ import logging
 from dataclasses import dataclass, field
 
 from kvpush.core.errors import ConfigError
+from kvpush.core.lane import MAX_SLOTS
 
 log = logging.getLogger("kvpush.transfer")
 
@@ -153,8 +154,8 @@ class WorkerConfig:
         ):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
-        if not 0 <= self.lane_slots <= 1 << 20:
-            raise ConfigError(f"lane_slots must be in [0, {1 << 20}], got {self.lane_slots}")
+        if not 0 <= self.lane_slots <= MAX_SLOTS:
+            raise ConfigError(f"lane_slots must be in [0, {MAX_SLOTS}], got {self.lane_slots}")
         if self.handshake_workers < 1:
             raise ConfigError("handshake_workers must be >= 1")
         if self.writer not in ("thread", "inline"):

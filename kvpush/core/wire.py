@@ -27,6 +27,7 @@ from typing import Annotated
 import msgspec
 
 from kvpush.core.errors import WireError
+from kvpush.core.lane import MAX_SLOTS
 
 REG_PREFIX = b"PUSH_REG:"
 FAIL_PREFIX = b"PUSH_FAIL:"
@@ -63,7 +64,7 @@ class StagingSlot(msgspec.Struct, array_like=True, frozen=True):
 class LaneSlot(msgspec.Struct, array_like=True, frozen=True):
     """A word of D's completion lane, reserved for one P rank's copy (core/lane.py)."""
 
-    slot: Annotated[int, msgspec.Meta(ge=0, lt=1 << 20)]
+    slot: Annotated[int, msgspec.Meta(ge=0, lt=MAX_SLOTS)]
     gen: Annotated[int, msgspec.Meta(ge=1, le=(1 << 63) - 1)]
 
 

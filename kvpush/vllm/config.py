@@ -7,6 +7,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from kvpush.core.errors import ConfigError
+from kvpush.core.lane import MAX_SLOTS
 
 ENV_HOST = "KVPUSH_SIDE_CHANNEL_HOST"
 ENV_PORT = "KVPUSH_SIDE_CHANNEL_PORT"
@@ -100,6 +101,6 @@ class ConnectorOptions:
             raise ConfigError("descriptor_mode must be 'coalesced' or 'prepped'")
         if opts.writer not in ("thread", "inline"):
             raise ConfigError("writer must be 'thread' or 'inline'")
-        if not 0 <= opts.lane_slots <= 1 << 20:
-            raise ConfigError(f"lane_slots must be in [0, {1 << 20}]")
+        if not 0 <= opts.lane_slots <= MAX_SLOTS:
+            raise ConfigError(f"lane_slots must be in [0, {MAX_SLOTS}]")
         return opts
