@@ -27,6 +27,7 @@ thread with ``writer="inline"``).
 
 from __future__ import annotations
 
+import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -57,6 +58,7 @@ class CopyDst:
     # One group each side (the common case): every row pairs src[0] with dst[0].
     single: bool
     row_bytes: list[int]  # bytes each row moves per block
+    block_bytes: int  # their sum
 
 
 def copy_dst(
@@ -72,7 +74,8 @@ def copy_dst(
     dst = [as_ids(g) for g in dst_groups]
     dst_max = validate_block_ids(d, dst, unique_known=True)
     single = len(dst) == 1 and not pieces[:, 7:9].any()
-    return CopyDst(pieces, dst, dst_max, signal, single, pieces[:, 6].tolist())
+    row_bytes = pieces[:, 6].tolist()
+    return CopyDst(pieces, dst, dst_max, signal, single, row_bytes, sum(row_bytes))
 
 
 def copy_src(
@@ -86,12 +89,8 @@ def copy_src(
     """
     limits = p if isinstance(p, list) else group_limits(p)
     if cd.single and len(src_groups) == 1 and len(limits) == 1:
-        ids = src_groups[0]
-        n = len(ids)
-        if n != len(cd.dst[0]):
-            raise LayoutError(f"group 0: {n} source blocks, {len(cd.dst[0])} destination")
-        validate_block_ids(limits, src_groups, unique_known=True)
-        return [ids], n * sum(cd.row_bytes)
+        ids, nbytes = single_src(limits[0], cd, src_groups[0])
+        return [ids], nbytes
     src = [as_ids(g) for g in src_groups]
     validate_block_ids(limits, src, unique_known=True)
     nbytes = 0
@@ -102,6 +101,40 @@ def copy_src(
             raise LayoutError(f"group {sg}: {have} source blocks, {want} destination")
         nbytes += n * len(src[sg])
     return list(src), nbytes
+
+
+_SHORT = 256  # up to this many ids are checked with builtins
+
+
+def single_src(
+    limit: int, cd: CopyDst, ids: Sequence[int] | np.ndarray
+) -> tuple[Sequence[int] | np.ndarray, int]:
+    """``copy_src`` for one group each side (``cd.single``), P's ids below ``limit``; the
+    last ``len(cd.dst[0])`` of ``ids`` (D may hold a prefix). Builtins only: this runs at
+    the end of a prefill, on cold caches, where each numpy call costs microseconds."""
+    n, have = len(cd.dst[0]), len(ids)
+    if have != n:
+        if have < n:
+            raise LayoutError(f"group 0: D registered {n} blocks, P holds {have}")
+        ids = ids[have - n :]
+    if n:
+        if not isinstance(ids, np.ndarray):
+            try:  # each must be an int: the hook copies ids, not floats
+                ids = array.array("q", ids)
+            except (TypeError, OverflowError) as e:
+                raise LayoutError(f"block ids must be integers: {e}") from e
+            if n > _SHORT:
+                ids = np.frombuffer(ids, dtype=np.int64)
+        elif ids.dtype.kind not in "iu":
+            raise LayoutError(f"block ids must be integers, not {ids.dtype}")
+        if n <= _SHORT:
+            vals = ids.tolist() if isinstance(ids, np.ndarray) else ids
+            lo, hi = min(vals), max(vals)
+        else:  # numpy's reductions win on long lists
+            lo, hi = int(ids.min()), int(ids.max())  # type: ignore[union-attr]
+        if lo < 0 or hi >= limit:
+            raise LayoutError(f"group 0: block id outside [0, {limit})")
+    return ids, n * cd.block_bytes
 
 
 class PeerCopyHook(Protocol):

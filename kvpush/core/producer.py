@@ -19,7 +19,7 @@ from kvpush.core import wire
 from kvpush.core.errors import HandshakeError, LayoutError, PeerGoneError, TransportError
 from kvpush.core.ids import Key, MatchTable
 from kvpush.core.layout import as_ids, block_indices
-from kvpush.core.peer_copy import CopyDst, Signal, copy_dst, copy_src
+from kvpush.core.peer_copy import CopyDst, Signal, copy_dst, copy_src, single_src
 from kvpush.core.routing import build_pair_descs, p_targets
 from kvpush.core.transport import WriteState
 from kvpush.core.types import ENDED, StagedBlocks, State, transition
@@ -140,14 +140,17 @@ class Producer:
         if staged.request_id in self.by_prid:
             log.warning("request %s staged twice; ignoring the second", staged.request_id)
             return
-        preq = PRequest(staged.request_id, staged.block_ids, staged.transfer_id)
-        key = Key(preq.prid, preq.tid)
+        key = Key(staged.request_id, staged.transfer_id)
         group = self.pending_regs.pop(key)
-        if group is None and self.staged.find(key) is not None and preq.tid is not None:
-            log.warning("transfer id %s staged twice; ignoring %s", preq.tid, preq.prid)
-            return
-        # The common case first: copy now, keep the books after (the copy runs meanwhile).
-        early = self._launch_armed(preq, group) if group is not None else None
+        if group is not None:
+            # The common case first: copy now, keep the books after (the copy runs meanwhile).
+            early = self._launch_armed(staged.block_ids, group)
+        else:
+            early = None
+            if staged.transfer_id is not None and self.staged.find(key) is not None:
+                log.warning("transfer id %s staged twice; ignoring %s", key[1], key[0])
+                return
+        preq = PRequest(staged.request_id, staged.block_ids, staged.transfer_id)
         self.by_prid[preq.prid] = preq
         log.debug("transfer %s: staged (P request %s)", preq.tid or preq.prid, preq.prid)
         for pend in group.regs.values() if group else ():
@@ -308,27 +311,29 @@ class Producer:
 
     # ---- matching and writing ------------------------------------------------------------
 
-    def _launch_armed(self, preq: PRequest, group: PendingGroup) -> Launched | None:
+    def _launch_armed(self, blocks: list[list[int]], group: PendingGroup) -> Launched | None:
         """Launch the copy prepared for a request's only registration, before any of the
         bookkeeping ``_attach`` and ``_push`` do; None when any of their checks might not
-        pass (they then run in full and decide)."""
-        if len(group.regs) != 1:
+        pass (they then run in full and decide). ``_arm`` checked the rest (this rank
+        feeds that D rank). Kept short: it runs on cold caches at the end of a prefill."""
+        regs = group.regs
+        if len(regs) != 1:
             return None
-        (pend,) = group.regs.values()
-        armed, reg, hook = pend.armed, pend.reg, self.w.peer_copy
-        if armed is None or hook is None or armed.agent != pend.sender:
+        (pend,) = regs.values()
+        armed, reg = pend.armed, pend.reg
+        if armed is None:
             return None
         peer = self.w.peers.get((reg.decode_host, reg.decode_port))
         if peer is None or peer.agent != armed.agent or peer.copy_declined:
             return None
-        cfg = self.w.config
-        if reg.decode_tp_rank not in p_targets(
-            cfg.tp_rank, cfg.tp_size, reg.decode_tp_size, self.w.layout.attention
-        ):
-            return None
         try:
-            ids, nbytes = copy_src(self.w.limits, armed.dst, source_blocks(pend.dst, preq.blocks))
-            signalled = hook.launch(armed.handle, ids)
+            limits = self.w.limits
+            if armed.dst.single and len(blocks) == 1 and len(limits) == 1:
+                one, nbytes = single_src(limits[0], armed.dst, blocks[0])
+                ids = [one]
+            else:
+                ids, nbytes = copy_src(limits, armed.dst, source_blocks(pend.dst, blocks))
+            signalled = self.w.peer_copy.launch(armed.handle, ids)  # type: ignore[union-attr]
         except Exception:  # the full path meets it again and fails the leg with the reason
             return None
         pend.armed = None
@@ -456,6 +461,11 @@ class Producer:
         peer = self.w.peers.get((reg.decode_host, reg.decode_port))
         if peer is None or peer.agent != sender or not self._can_copy(peer):
             return None
+        cfg, attention = self.w.config, self.w.layout.attention
+        if reg.decode_tp_rank not in p_targets(
+            cfg.tp_rank, cfg.tp_size, reg.decode_tp_size, attention
+        ):
+            return None  # this rank writes nothing to that D rank
         try:
             armed = self._prepare(peer, reg, dst)
             self.w.stats["copy_armed"] += armed is not None
@@ -656,5 +666,5 @@ def source_blocks(dst: list[np.ndarray], blocks: list[list[int]]) -> list[list[i
     for g, (d_ids, p_ids) in enumerate(zip(dst, blocks, strict=True)):
         if len(d_ids) > len(p_ids):
             raise LayoutError(f"group {g}: D registered {len(d_ids)} blocks, P holds {len(p_ids)}")
-        src.append(p_ids[len(p_ids) - len(d_ids) :])
+        src.append(p_ids if len(p_ids) == len(d_ids) else p_ids[len(p_ids) - len(d_ids) :])
     return src

@@ -40,13 +40,23 @@ class Driver:
         self._range.argtypes = [ctypes.POINTER(_u64), ctypes.POINTER(ctypes.c_size_t), _u64]
         # The kernel's arguments: one 8-byte slot each, and the array of their addresses
         # that cuLaunchKernel reads (it copies the values at the call).
-        self.args = (_u64 * params)()
-        base = ctypes.addressof(self.args)
-        self._argv = (_vp * params)(*[base + 8 * i for i in range(params)])
+        self.args, self._argv = self.arguments((0,) * params)
 
-    def launch(self, func: Any, grid: tuple[int, int], threads: int, stream: Any) -> None:
-        """``func`` and ``stream`` as ``handle()`` made them; arguments in ``args``."""
-        err = self._launch(func, grid[0], grid[1], 1, threads, 1, 1, 0, stream, self._argv, None)
+    @staticmethod
+    def arguments(values: tuple[int, ...]) -> tuple[Any, Any]:
+        """Argument slots holding ``values`` (8 bytes each) and the array of their
+        addresses that cuLaunchKernel reads: pass the latter to ``launch``."""
+        args = (_u64 * len(values))(*values)
+        base = ctypes.addressof(args)
+        return args, (_vp * len(values))(*[base + 8 * i for i in range(len(values))])
+
+    def launch(
+        self, func: Any, grid: tuple[int, int], threads: int, stream: Any, argv: Any = None
+    ) -> None:
+        """``func`` and ``stream`` as ``handle()`` made them; arguments in ``args`` (or in
+        the slots ``argv`` points at, from ``arguments``; it copies them at the call)."""
+        argv = self._argv if argv is None else argv
+        err = self._launch(func, grid[0], grid[1], 1, threads, 1, 1, 0, stream, argv, None)
         if err:
             raise CudaError(f"cuLaunchKernel failed: CUDA error {err}")
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import logging
+import os
 import threading
 import time
 from collections import Counter, defaultdict, deque
@@ -54,6 +55,7 @@ class Span(msgspec.Struct, array_like=True, frozen=True):
 class Exported(msgspec.Struct, frozen=True):
     host: str
     spans: list[Span]
+    wake: Span | None = None  # scratch a peer on another GPU may write to wake the link
 
 
 _KERNEL = r"""
@@ -121,6 +123,12 @@ TILE = 64 << 10  # bytes per thread block: long pages are cut so the grid fills 
 MAX_ROWS = 65535  # grid y
 MAX_GRID_X = (1 << 31) - 1
 FUSED_MAX_BLOCKS = 512  # copies of up to this many thread blocks write the lane word themselves
+# NVLink between two idle GPUs runs slow for its first ~MiB (measured: 16 x 64 KiB took
+# ~175 us after 100 ms idle, ~10 us after 20 ms; scripts/gpu_probe.py). When a copy to a
+# peer on another GPU is prepared and that link has been idle this long, P writes
+# WAKE_BYTES into the peer's scratch (its own, not KV) while the prefill still runs.
+WAKE_AFTER_S = 10e-3
+WAKE_BYTES = 1 << 20
 
 
 def table_len(pieces: np.ndarray, src: Sequence[Any], dst: Sequence[Any]) -> int:
@@ -161,6 +169,8 @@ class _Mapped:
         self.route: _Route | None = None  # for the pieces of the last copy
         self.lane: tuple[LaneView, int] | None = None  # the peer's lane and its device address
         self.lane_failed = False  # mapping it failed once: this peer's copies are waited for
+        self.wake: tuple[Any, int] | None = None  # another GPU: (pinned table, its address)
+        self.used = 0.0  # perf_counter of the last copy prepared or launched into it
 
 
 class _Route:
@@ -215,11 +225,13 @@ class _Prepared:
 
     __slots__ = (
         *("route", "dst", "mem", "table", "ptr", "src_at", "n"),
-        *("word", "gen", "lane", "slot"),
+        *("word", "gen", "lane", "slot", "args", "argv", "grid", "blocks", "events", "mapped"),
     )
 
-    def __init__(self, route: _Route, dst: CopyDst, mem: Any, table: np.ndarray) -> None:
-        self.route, self.dst, self.mem, self.table = route, dst, mem, table
+    def __init__(
+        self, mapped: _Mapped, route: _Route, dst: CopyDst, mem: Any, table: np.ndarray
+    ) -> None:
+        self.mapped, self.route, self.dst, self.mem, self.table = mapped, route, dst, mem, table
         self.ptr = int(table.ctypes.data)  # pinned memory is mapped for the device (UVA)
         self.src_at = -1  # single group: where P's ids go (-1: the whole table at launch)
         self.n = sum(len(g) for g in dst.dst)  # blocks D receives (single group: its ids)
@@ -227,6 +239,13 @@ class _Prepared:
         self.gen = 0
         self.lane: Any = None  # the lane's words, as mapped here: finished() reads ours
         self.slot = 0
+        # Single group: the kernel's arguments, built here so a launch only sets the
+        # fused copy's count target (None: built at launch).
+        self.args: Any = None
+        self.argv: Any = None
+        self.grid = (0, 0)
+        self.blocks = 0  # thread blocks of a fused copy (0: the word is a kernel of its own)
+        self.events: Any = None  # KVPUSH_COPY_EVENTS=1: CUDA events around the kernel
 
 
 def _handle_of(kernel: Any) -> Any:
@@ -258,7 +277,11 @@ class CudaPeerCopy:
                     Span(b, n, bytes(cupy.cuda.runtime.ipcGetMemHandle(b)))
                     for b, n in sorted(spans.items())
                 ]
-        self._export = msgspec.msgpack.encode(Exported(host_identity(), exported))
+            # The scratch peers write to wake the link (an allocation of its own).
+            self._scratch = int(cupy.cuda.runtime.malloc(WAKE_BYTES))
+            handle_ = bytes(cupy.cuda.runtime.ipcGetMemHandle(self._scratch))
+            wake = Span(self._scratch, WAKE_BYTES, handle_)
+        self._export = msgspec.msgpack.encode(Exported(host_identity(), exported, wake))
         with cupy.cuda.Device(self._dev):
             module = cupy.RawModule(code=_KERNEL)
             self._kernel = module.get_function("kvpush_piece_copy")
@@ -272,6 +295,8 @@ class CudaPeerCopy:
         self._stream = int(self.stream.ptr)
         self._stream_h = handle(self._stream)
         self._counted = 0  # thread blocks of fused copies launched, ever
+        # Diagnostics (benchmarks): time each prepared copy's kernel with CUDA events.
+        self._timed = os.environ.get("KVPUSH_COPY_EVENTS") == "1"
         self._bound = 0  # the thread the device was made current on
         self.times: dict[str, deque[float]] = defaultdict(lambda: deque(maxlen=64))
         self.peers: dict[str, _Mapped | None] = {}  # None: this peer is declined
@@ -298,19 +323,44 @@ class CudaPeerCopy:
             return None
         n = 10 * len(dst.pieces) + 2 * sum(len(g) for g in dst.dst)  # src counts match dst's
         mem = self._cupy.cuda.alloc_pinned_memory(max(8, n * 8))
-        prep = _Prepared(route, dst, mem, np.frombuffer(mem, dtype=np.int64, count=n))
-        if route.single:
-            prep.src_at = route.head_for(prep.table, dst)
+        prep = _Prepared(mapped, route, dst, mem, np.frombuffer(mem, dtype=np.int64, count=n))
         if dst.signal is not None:
             self._signal_to(prep, mapped, dst.signal)
+        if route.single:
+            prep.src_at = route.head_for(prep.table, dst)
+            if self._func is not None:
+                self._build_args(prep)
+        now = time.perf_counter()
+        if mapped.wake is not None and now - mapped.used > WAKE_AFTER_S:
+            self._wake(mapped.wake[1])
+        mapped.used = now
         return prep
+
+    def _wake(self, table: int) -> None:
+        """WAKE_BYTES from our scratch into the peer's: the link is fast when the copy
+        comes. Queued on the copy stream, so a copy launched meanwhile follows it (and
+        would have paid the slow link itself). Best effort: a failure changes nothing."""
+        try:
+            self._bind()
+            grid = (WAKE_BYTES // TILE, 1)
+            self._launch(self._func, self._kernel, grid, (table, table + 80, TILE, 1, 0, 0, 0, 0))
+            self.stats["wakes"] += 1
+        except Exception as e:  # the copy itself reports any real failure
+            log.debug("waking the link failed: %s", e)
+
+    def _bind(self) -> None:
+        if self._bound != threading.get_ident():  # once per thread: fewer CUDA calls per copy
+            self._cupy.cuda.runtime.setDevice(self._dev)
+            self._bound = threading.get_ident()
 
     def launch(self, prepared: object, src: Sequence[Any]) -> bool:
         prep = prepared
         assert isinstance(prep, _Prepared)
         if not prep.n or not len(prep.dst.pieces):
             return False  # nothing to move
-        t0 = time.perf_counter()
+        if prep.argv is not None:
+            return self._launch_ready(prep, src[0])
+        t0 = prep.mapped.used = time.perf_counter()
         route, table = prep.route, prep.table
         if prep.src_at >= 0:
             table[prep.src_at : prep.src_at + prep.n] = src[0]
@@ -325,9 +375,7 @@ class CudaPeerCopy:
         grid = (most * route.tiles, len(route.head))
         if grid[0] > MAX_GRID_X:
             raise LayoutError(f"{most} blocks of {route.tiles} tiles exceed one launch")
-        if self._bound != threading.get_ident():  # once per thread: fewer CUDA calls per copy
-            self._cupy.cuda.runtime.setDevice(self._dev)
-            self._bound = threading.get_ident()
+        self._bind()
         word = (prep.word, prep.gen)
         ptr = prep.ptr
         if ptr < 0:  # the table was grown at this launch
@@ -353,12 +401,61 @@ class CudaPeerCopy:
         self.times["wait"].append((time.perf_counter() - t2) * 1e6)
         return False
 
+    def _launch_ready(self, prep: _Prepared, ids: Any) -> bool:
+        """A single-group copy whose arguments ``prepare`` built: ids in, one launch."""
+        t0 = time.perf_counter()
+        prep.mapped.used = t0
+        prep.table[prep.src_at : prep.src_at + prep.n] = ids
+        self._bind()
+        if prep.blocks:
+            self._counted += prep.blocks
+            prep.args[5] = self._counted
+        t1 = time.perf_counter()
+        if self._timed:
+            prep.events = (self._cupy.cuda.Event(), self._cupy.cuda.Event())
+            prep.events[0].record(self.stream)
+        self._drv.launch(self._func, prep.grid, THREADS, self._stream_h, prep.argv)
+        if prep.word and not prep.blocks:  # right behind the copy on the stream: D's word
+            self._launch(self._signal_func, self._signal, (1, 1), (prep.word, prep.gen))
+        if self._timed:
+            prep.events[1].record(self.stream)
+        t2 = time.perf_counter()
+        self.stats["copies"] += 1
+        self.times["table"].append((t1 - t0) * 1e6)
+        self.times["launch"].append((t2 - t1) * 1e6)
+        if prep.word:
+            return True
+        self._drv.wait(self._stream)
+        self.times["wait"].append((time.perf_counter() - t2) * 1e6)
+        return False
+
+    def _build_args(self, prep: _Prepared) -> None:
+        route = prep.route
+        rows = len(route.head)
+        grid = (prep.n * route.tiles, rows)
+        if grid[0] > MAX_GRID_X:
+            return  # launch() says why
+        prep.grid = grid
+        fused = prep.word and grid[0] * rows <= FUSED_MAX_BLOCKS
+        prep.blocks = grid[0] * rows if fused else 0
+        word = (self._counter_at, 0, prep.word, prep.gen) if fused else (0, 0, 0, 0)
+        prep.args, prep.argv = self._drv.arguments(
+            (prep.ptr, prep.ptr + 80 * rows, TILE, route.tiles, *word)
+        )
+
     def finished(self, prepared: object) -> bool:
         prep = prepared
         assert isinstance(prep, _Prepared)
         if prep.lane is not None and prep.lane[prep.slot] == prep.gen:
-            return True
-        return self._drv.done(self._stream)
+            done = True
+        else:
+            done = self._drv.done(self._stream)
+        if done and prep.events is not None:  # diagnostics: the kernel's own time
+            start, end = prep.events
+            prep.events = None
+            end.synchronize()
+            self.times["kernel"].append(self._cupy.cuda.get_elapsed_time(start, end) * 1e3)
+        return done
 
     def forget(self, peer: str) -> None:
         mapped = self.peers.pop(peer, None)
@@ -376,6 +473,10 @@ class CudaPeerCopy:
     def close(self) -> None:
         for peer in list(self.peers):
             self.forget(peer)
+        if self._scratch:
+            with contextlib.suppress(Exception), self._cupy.cuda.Device(self._dev):
+                self._cupy.cuda.runtime.free(self._scratch)
+            self._scratch = 0
 
     def timing_us(self) -> dict[str, float]:
         """Median microseconds of the copy's host stages over the last copies."""
@@ -441,10 +542,37 @@ class CudaPeerCopy:
             log.warning("cannot map the memory of %s (%s); writing instead", peer, e)
             self._close(opened)
             return None
+        mapped = _Mapped(spans, opened)
+        if info.wake is not None:
+            mapped.wake = self._map_wake(info.wake, opened)
         self._opened[peer] = opened
         self.stats["mapped"] += 1
         log.info("mapped %d allocations of %s for direct copies", len(opened), peer)
-        return _Mapped(spans, opened)
+        return mapped
+
+    def _map_wake(self, span: Span, opened: list[int]) -> tuple[Any, int] | None:
+        """The kernel table that wakes the link to a peer whose memory lies on another
+        GPU (None: the same GPU, or its scratch cannot be mapped)."""
+        rt = self._cupy.cuda.runtime
+        try:
+            with self._cupy.cuda.Device(self._dev):
+                if rt.pointerGetAttributes(opened[0]).device == self._dev:
+                    return None  # no link between them
+                at = int(rt.ipcOpenMemHandle(span.handle, rt.cudaIpcMemLazyEnablePeerAccess))
+                opened.append(at)  # closed with the peer's other mappings
+                base, size = self._drv.allocation_range(at)
+                if base != at or size < WAKE_BYTES:
+                    raise LayoutError(f"wake scratch of {size} bytes")
+        except Exception as e:  # copies still work; the first one may be slower
+            log.info("no link wake-up for this peer (%s)", e)
+            return None
+        n = WAKE_BYTES // TILE
+        mem = self._cupy.cuda.alloc_pinned_memory(8 * (10 + 2 * n))
+        table = np.frombuffer(mem, dtype=np.int64, count=10 + 2 * n)
+        # One row: our scratch's tiles onto the peer's, ids 0..n-1 each side.
+        table[:10] = [self._scratch, at, TILE, TILE, 0, 0, TILE, n, 0, n]
+        table[10:] = list(range(n)) * 2
+        return mem, int(table.ctypes.data)
 
     def _close(self, opened: list[int]) -> None:
         with self._cupy.cuda.Device(self._dev):

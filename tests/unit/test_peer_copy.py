@@ -300,7 +300,7 @@ def test_kernel_table_addresses_what_the_pieces_say() -> None:
 
 def test_copy_halves_refuse_what_does_not_fit() -> None:
     from kvpush.core.errors import LayoutError
-    from kvpush.core.peer_copy import copy_dst, copy_src
+    from kvpush.core.peer_copy import copy_dst, copy_src, single_src
     from kvpush.core.routing import block_pieces, pair_regions
     from tests.unit.test_routing import Model, rank_layout
 
@@ -311,13 +311,18 @@ def test_copy_halves_refuse_what_does_not_fit() -> None:
         copy_dst(d, pieces, [np.array([1, 16])])
     cd = copy_dst(d, pieces, [np.array([1, 2])])
     assert cd.single and cd.dst_max == [2]
-    for bad, why in (([1], "source blocks"), ([1, 16], "outside"), ([-1, 2], "outside")):
+    for bad, why in (([1], "P holds 1"), ([1, 16], "outside"), ([-1, 2], "outside")):
         with pytest.raises(LayoutError, match=why):
             copy_src(p, cd, [bad])
     with pytest.raises(LayoutError, match="outside"):
         copy_src(p, cd, [np.array([3, 99])])
-    with pytest.raises(LayoutError, match="integers"):
-        copy_src(p, cd, [[1, "2"]])
+    for not_ints in ([1, "2"], [1, 2.0], np.array([1.0, 2.0])):
+        with pytest.raises(LayoutError, match="integers"):
+            copy_src(p, cd, [not_ints])
+    # D may hold a prefix of the request: P copies the tail of its blocks.
+    for mine in ([7, 1, 2], np.array([7, 1, 2])):
+        ids, nbytes = single_src(16, cd, mine)
+        assert list(ids) == [1, 2] and nbytes == 2 * cd.block_bytes == 2 * sum(cd.row_bytes)
 
 
 def test_route_reuses_translated_rows_and_bounds_ids_by_the_export() -> None:
