@@ -56,6 +56,7 @@ class Exported(msgspec.Struct, frozen=True):
     host: str
     spans: list[Span]
     wake: Span | None = None  # scratch a peer on another GPU may write to wake the link
+    device: str = ""  # the exporter's GPU (PCI bus id)
 
 
 _KERNEL = r"""
@@ -281,7 +282,8 @@ class CudaPeerCopy:
             self._scratch = int(cupy.cuda.runtime.malloc(WAKE_BYTES))
             handle_ = bytes(cupy.cuda.runtime.ipcGetMemHandle(self._scratch))
             wake = Span(self._scratch, WAKE_BYTES, handle_)
-        self._export = msgspec.msgpack.encode(Exported(host_identity(), exported, wake))
+            self._pci = str(cupy.cuda.runtime.deviceGetPCIBusId(self._dev))
+        self._export = msgspec.msgpack.encode(Exported(host_identity(), exported, wake, self._pci))
         with cupy.cuda.Device(self._dev):
             module = cupy.RawModule(code=_KERNEL)
             self._kernel = module.get_function("kvpush_piece_copy")
@@ -346,7 +348,7 @@ class CudaPeerCopy:
             self._launch(self._func, self._kernel, grid, (table, table + 80, TILE, 1, 0, 0, 0, 0))
             self.stats["wakes"] += 1
         except Exception as e:  # the copy itself reports any real failure
-            log.debug("waking the link failed: %s", e)
+            log.warning("waking the link failed: %s", e)
 
     def _bind(self) -> None:
         if self._bound != threading.get_ident():  # once per thread: fewer CUDA calls per copy
@@ -543,7 +545,7 @@ class CudaPeerCopy:
             self._close(opened)
             return None
         mapped = _Mapped(spans, opened)
-        if info.wake is not None:
+        if info.wake is not None and info.device and info.device != self._pci:
             mapped.wake = self._map_wake(info.wake, opened)
         self._opened[peer] = opened
         self.stats["mapped"] += 1
@@ -551,20 +553,18 @@ class CudaPeerCopy:
         return mapped
 
     def _map_wake(self, span: Span, opened: list[int]) -> tuple[Any, int] | None:
-        """The kernel table that wakes the link to a peer whose memory lies on another
-        GPU (None: the same GPU, or its scratch cannot be mapped)."""
+        """The kernel table that wakes the link to a peer on another GPU (None: its
+        scratch cannot be mapped)."""
         rt = self._cupy.cuda.runtime
         try:
             with self._cupy.cuda.Device(self._dev):
-                if rt.pointerGetAttributes(opened[0]).device == self._dev:
-                    return None  # no link between them
                 at = int(rt.ipcOpenMemHandle(span.handle, rt.cudaIpcMemLazyEnablePeerAccess))
                 opened.append(at)  # closed with the peer's other mappings
                 base, size = self._drv.allocation_range(at)
                 if base != at or size < WAKE_BYTES:
                     raise LayoutError(f"wake scratch of {size} bytes")
         except Exception as e:  # copies still work; the first one may be slower
-            log.info("no link wake-up for this peer (%s)", e)
+            log.warning("no link wake-up for this peer (%s)", e)
             return None
         n = WAKE_BYTES // TILE
         mem = self._cupy.cuda.alloc_pinned_memory(8 * (10 + 2 * n))
