@@ -17,6 +17,7 @@ watchdog expiry) is the last to be handed out again.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import mmap
 import os
@@ -57,23 +58,61 @@ def lane_path(name: str) -> str:
     return os.path.join(LANE_DIR, name)
 
 
+def remove_stale_lanes(directory: str = LANE_DIR) -> list[str]:
+    """Unlink our user's lanes whose owner is gone (a decoder killed before its cleanup):
+    a live owner holds an exclusive lock on its lane for as long as it runs, in any pid
+    namespace. Returns the names removed."""
+    removed: list[str] = []
+    try:
+        names = [n for n in os.listdir(directory) if NAME_RE.fullmatch(n)]
+    except OSError:
+        return removed
+    for name in names:
+        path = os.path.join(directory, name)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+        except OSError:
+            continue  # gone meanwhile, or another user's
+        try:
+            if os.fstat(fd).st_uid != os.getuid():
+                continue
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            continue  # locked: its owner is alive
+        else:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+                removed.append(name)
+        finally:
+            os.close(fd)
+    if removed:
+        log.info("removed %d lane(s) left by decoders that died: %s", len(removed), removed)
+    return removed
+
+
 class CompletionLane:
     """D's lane: reserve a word per (registration, P rank), see which were written."""
 
     def __init__(self, slots: int = 1 << 16) -> None:
         if not 0 < slots <= MAX_SLOTS:
             raise ConfigError(f"lane_slots must be in [1, {MAX_SLOTS}], got {slots}")
+        remove_stale_lanes()
         self.name = f"kvpush-lane-{uuid.uuid4().hex}"
         self.path = lane_path(self.name)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        # Made under a name no one looks for, locked, then renamed: a lane under its real
+        # name is always locked by a live owner (remove_stale_lanes relies on it).
+        tmp = f"{self.path}.new"
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             os.ftruncate(fd, slots * 8)
             self._mm = mmap.mmap(fd, slots * 8)
+            os.rename(tmp, self.path)
         except OSError:
-            os.unlink(self.path)  # (a full /dev/shm) leave nothing behind
-            raise
-        finally:
+            os.unlink(tmp)  # (a full /dev/shm) leave nothing behind
             os.close(fd)
+            raise
+        self._fd = fd  # held open: its lock says the lane is in use
         self._words: Any = memoryview(self._mm).cast("Q")  # one word: a plain int read
         self._array: Any = np.frombuffer(self._mm, dtype=np.uint64)
         self._free: deque[int] = deque(range(slots))
@@ -122,6 +161,9 @@ class CompletionLane:
             self._mm.close()
         with contextlib.suppress(OSError):
             os.unlink(self.path)
+        if self._fd >= 0:
+            os.close(self._fd)  # releases the lock
+            self._fd = -1
 
 
 class LaneView:

@@ -355,3 +355,42 @@ def test_route_reuses_translated_rows_and_bounds_ids_by_the_export() -> None:
     assert len(kernel_moves(fast, len(pieces))) == 3 * len(pieces)
     assert set(route.head[:, 1].tolist()) == {1 << 40, 1 << 41}  # D's bases, as mapped here
     assert not route.fits(copy_dst(d, pieces, [np.array([40])]))
+
+
+def _own_a_lane(conn: Any) -> None:
+    lane = CompletionLane(8)
+    conn.send(lane.name)
+    conn.recv()  # until killed
+
+
+def test_a_lane_left_by_a_killed_decoder_is_removed_by_the_next_one() -> None:
+    import multiprocessing as mp
+    import signal
+
+    from kvpush.core.lane import remove_stale_lanes
+
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    owner = ctx.Process(target=_own_a_lane, args=(child,))
+    owner.start()
+    try:
+        assert parent.poll(60), "the owner did not start"
+        name = parent.recv()
+        path = os.path.join("/dev/shm", name)
+        mine = CompletionLane(8)
+        # A live owner's lane (and ours) survive a sweep.
+        assert name not in remove_stale_lanes() and os.path.exists(path)
+        assert os.path.exists(mine.path)
+        owner.kill()  # SIGKILL: no cleanup runs
+        owner.join(30)
+        assert owner.exitcode == -signal.SIGKILL and os.path.exists(path)
+        other = CompletionLane(8)  # the next decoder on this host sweeps on creation
+        assert not os.path.exists(path)
+        assert os.path.exists(mine.path) and os.path.exists(other.path)
+        other.close()
+        mine.close()
+        assert not os.path.exists(mine.path) and not os.path.exists(other.path)
+    finally:
+        if owner.is_alive():
+            owner.kill()
+        owner.join(30)
