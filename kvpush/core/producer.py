@@ -148,7 +148,8 @@ class Producer:
         else:
             early = None
             if staged.transfer_id is not None and self.staged.find(key) is not None:
-                log.warning("transfer id %s staged twice; ignoring %s", key[1], key[0])
+                tid, rid = key.transfer_id, key.request_id
+                log.warning("transfer id %s staged twice; ignoring %s", tid, rid)
                 return
         preq = PRequest(staged.request_id, staged.block_ids, staged.transfer_id)
         self.by_prid[preq.prid] = preq

@@ -15,8 +15,10 @@ every byte has landed, and P does not wait: ``finished`` reads the word (or asks
 the stream). A small copy writes it from its own last thread block (a grid-wide
 count); a large one has a one-thread kernel queued right behind it on the stream
 (per-block fences would slow its bulk). Without a word, P waits for the kernel
-and the core sends the completion. A peer on another host, a
-mapping that fails or a block outside what the peer exported is declined: the
+and the core sends the completion. Between two GPUs, ``prepare`` first wakes a
+link that carried nothing for ``WAKE_AFTER_S`` (1 MiB into the peer's exported
+scratch: an idle NVLink moves its first MiB ~20x slower). A peer on another
+host, a mapping that fails or a block outside what the peer exported is declined: the
 core WRITEs instead.
 
 Trust: a peer that completed the handshake may write into these allocations,
