@@ -299,7 +299,7 @@ class CudaPeerCopy:
         self._stream = int(self.stream.ptr)
         self._stream_h = handle(self._stream)
         self._counted = 0  # thread blocks of fused copies launched, ever
-        # Diagnostics (benchmarks): time each prepared copy's kernel with CUDA events.
+        # Diagnostics (benchmarks): CUDA events around each single-group copy kernel.
         self._timed = os.environ.get("KVPUSH_COPY_EVENTS") == "1"
         self._bound = 0  # the thread the device was made current on
         self.times: dict[str, deque[float]] = defaultdict(lambda: deque(maxlen=64))
@@ -395,15 +395,7 @@ class CudaPeerCopy:
             self._launch(self._func, self._kernel, grid, (*args, 0, 0, 0, 0))
             if prep.word:  # right behind the copy on the stream: D's word
                 self._launch(self._signal_func, self._signal, (1, 1), word)
-        t2 = time.perf_counter()
-        self.stats["copies"] += 1
-        self.times["table"].append((t1 - t0) * 1e6)
-        self.times["launch"].append((t2 - t1) * 1e6)
-        if prep.word:
-            return True
-        self._drv.wait(self._stream)  # every byte is in D's blocks before the completion
-        self.times["wait"].append((time.perf_counter() - t2) * 1e6)
-        return False
+        return self._launched(prep, t0, t1)
 
     def _launch_ready(self, prep: _Prepared, ids: Any) -> bool:
         """A single-group copy whose arguments ``prepare`` built: ids in, one launch."""
@@ -423,13 +415,17 @@ class CudaPeerCopy:
             self._launch(self._signal_func, self._signal, (1, 1), (prep.word, prep.gen))
         if self._timed:
             prep.events[1].record(self.stream)
+        return self._launched(prep, t0, t1)
+
+    def _launched(self, prep: _Prepared, t0: float, t1: float) -> bool:
+        """After a launch: its times; True with a lane word, else waited for (False)."""
         t2 = time.perf_counter()
         self.stats["copies"] += 1
         self.times["table"].append((t1 - t0) * 1e6)
         self.times["launch"].append((t2 - t1) * 1e6)
         if prep.word:
             return True
-        self._drv.wait(self._stream)
+        self._drv.wait(self._stream)  # every byte is in D's blocks before the completion
         self.times["wait"].append((time.perf_counter() - t2) * 1e6)
         return False
 
