@@ -100,14 +100,33 @@ def check_compatible(local: KVLayout, remote: KVLayout) -> None:
     pair_regions(local, remote)
 
 
+SHORT_IDS = 256  # up to this many ids, builtins beat numpy's per-call cost
+
+
+def packed_ids(ids: Sequence[int]) -> array.array[int]:
+    """Block ids packed as int64 (array.array converts a list ~1.5x faster than numpy);
+    LayoutError unless every one is an int."""
+    try:
+        return array.array("q", ids)
+    except (TypeError, OverflowError) as e:
+        raise LayoutError(f"block ids must be integers: {e}") from e
+
+
 def as_ids(ids: Sequence[int] | np.ndarray) -> np.ndarray:
     """Block ids as an int64 array; one already is comes back as is (no copy)."""
     if isinstance(ids, np.ndarray):
         return ids if ids.dtype == np.int64 else ids.astype(np.int64)
-    try:  # array.array converts a list of ints ~1.5x faster than numpy does
-        return np.frombuffer(array.array("q", ids), dtype=np.int64)
-    except (TypeError, OverflowError) as e:
-        raise LayoutError(f"block ids must be integers: {e}") from e
+    return np.frombuffer(packed_ids(ids), dtype=np.int64)
+
+
+def id_range(ids: np.ndarray | array.array[int]) -> tuple[int, int]:
+    """(lowest, highest) of non-empty ids: builtins on short lists (a numpy reduction
+    costs microseconds, more on the cold caches at the end of a prefill), numpy on long."""
+    if len(ids) <= SHORT_IDS:
+        vals = ids.tolist()
+        return min(vals), max(vals)
+    arr = ids if isinstance(ids, np.ndarray) else np.frombuffer(ids, dtype=np.int64)
+    return int(arr.min()), int(arr.max())
 
 
 def group_limits(layout: KVLayout) -> list[int]:
@@ -139,11 +158,7 @@ def validate_block_ids(
             continue
         arr = as_ids(ids)
         limit = limits[g]
-        if arr.size <= 256:  # builtins on a short list: a numpy reduction costs microseconds
-            vals = arr.tolist()
-            hi, lo = max(vals), min(vals)
-        else:
-            hi, lo = int(arr.max()), int(arr.min())
+        lo, hi = id_range(arr)
         if hi >= limit or lo < 0:
             raise LayoutError(f"group {g}: block id outside [0, {limit})")
         if not unique_known and _has_duplicates(arr, limit):

@@ -27,7 +27,6 @@ thread with ``writer="inline"``).
 
 from __future__ import annotations
 
-import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -35,7 +34,14 @@ from typing import Protocol
 import numpy as np
 
 from kvpush.core.errors import LayoutError
-from kvpush.core.layout import KVLayout, as_ids, group_limits, validate_block_ids
+from kvpush.core.layout import (
+    KVLayout,
+    as_ids,
+    group_limits,
+    id_range,
+    packed_ids,
+    validate_block_ids,
+)
 
 
 @dataclass(frozen=True)
@@ -103,15 +109,13 @@ def copy_src(
     return list(src), nbytes
 
 
-_SHORT = 256  # up to this many ids are checked with builtins
-
-
 def single_src(
     limit: int, cd: CopyDst, ids: Sequence[int] | np.ndarray
 ) -> tuple[Sequence[int] | np.ndarray, int]:
     """``copy_src`` for one group each side (``cd.single``), P's ids below ``limit``; the
-    last ``len(cd.dst[0])`` of ``ids`` (D may hold a prefix). Builtins only: this runs at
-    the end of a prefill, on cold caches, where each numpy call costs microseconds."""
+    last ``len(cd.dst[0])`` of ``ids`` (D may hold a prefix). No numpy on short lists: it runs at
+    the end of a prefill, on cold caches, where each numpy call costs microseconds
+    (``id_range``)."""
     n, have = len(cd.dst[0]), len(ids)
     if have != n:
         if have < n:
@@ -119,19 +123,10 @@ def single_src(
         ids = ids[have - n :]
     if n:
         if not isinstance(ids, np.ndarray):
-            try:  # each must be an int: the hook copies ids, not floats
-                ids = array.array("q", ids)
-            except (TypeError, OverflowError) as e:
-                raise LayoutError(f"block ids must be integers: {e}") from e
-            if n > _SHORT:
-                ids = np.frombuffer(ids, dtype=np.int64)
+            ids = packed_ids(ids)  # each must be an int: the hook copies ids, not floats
         elif ids.dtype.kind not in "iu":
             raise LayoutError(f"block ids must be integers, not {ids.dtype}")
-        if n <= _SHORT:
-            vals = ids.tolist() if isinstance(ids, np.ndarray) else ids
-            lo, hi = min(vals), max(vals)
-        else:  # numpy's reductions win on long lists
-            lo, hi = int(ids.min()), int(ids.max())  # type: ignore[union-attr]
+        lo, hi = id_range(ids)
         if lo < 0 or hi >= limit:
             raise LayoutError(f"group 0: block id outside [0, {limit})")
     return ids, n * cd.block_bytes
