@@ -52,7 +52,8 @@ class RecvTransfer:
 
     @property
     def quiet(self) -> bool:
-        return self.done_from >= set(self.sources)
+        # done_from only ever holds sources: as many means all (no set built per check).
+        return len(self.done_from) >= len(self.sources) or self.done_from >= set(self.sources)
 
     @property
     def rid(self) -> str:
@@ -70,6 +71,7 @@ class Consumer:
         self.reg_send_inbox: queue.SimpleQueue[tuple[str, Any, Any]] = queue.SimpleQueue()
         self.recvs: dict[str, RecvTransfer] = {}
         self.laned = 0  # receives whose every source has a lane word
+        self._block_bytes: list[int] | None = None  # bytes of one logical block, per group
 
     def outstanding(self) -> int:
         return len(self.recvs)
@@ -318,11 +320,14 @@ class Consumer:
             self.w.notify(agent, wire.Heartbeat(entries=entries))
 
     def _nbytes(self, t: RecvTransfer) -> int:
-        layout = self.w.layout
-        return sum(
-            layout.logical_bytes(i) * len(t.reg.block_ids[r.group])
-            for i, r in enumerate(layout.regions)
-        )
+        per = self._block_bytes
+        if per is None:  # once: a model has hundreds of regions, a receive ends every step
+            layout = self.w.layout
+            per = self._block_bytes = [0] * layout.groups
+            for i, r in enumerate(layout.regions):
+                per[r.group] += layout.logical_bytes(i)
+        ids = t.reg.block_ids
+        return sum(n * len(ids[g]) for g, n in enumerate(per))
 
     def _offer(self, r: RecvRegistration) -> wire.StagingSlot | msgspec.UnsetType:
         """A staging slot for P's single WRITE (same TP on both sides only), else UNSET."""

@@ -73,6 +73,11 @@ class MatchTable(Generic[V]):
         slot = self._find_slot(key)
         return None if slot is None else self._entries[slot][1]
 
+    def by_tid(self, transfer_id: str | None) -> V | None:
+        """The entry of exactly this transfer id (what ``find`` tries first): one lookup."""
+        slot = self._by_tid.get(transfer_id) if transfer_id is not None else None
+        return None if slot is None else self._entries[slot][1]
+
     def pop(self, key: Key) -> V | None:
         slot = self._find_slot(key)
         if slot is None:

@@ -35,6 +35,7 @@ import numpy as np
 
 from kvpush.core.errors import LayoutError
 from kvpush.core.layout import (
+    SHORT_IDS,
     KVLayout,
     as_ids,
     group_limits,
@@ -113,23 +114,34 @@ def single_src(
     limit: int, cd: CopyDst, ids: Sequence[int] | np.ndarray
 ) -> tuple[Sequence[int] | np.ndarray, int]:
     """``copy_src`` for one group each side (``cd.single``), P's ids below ``limit``; the
-    last ``len(cd.dst[0])`` of ``ids`` (D may hold a prefix). No numpy on short lists: it runs at
-    the end of a prefill, on cold caches, where each numpy call costs microseconds
-    (``id_range``)."""
+    last ``len(cd.dst[0])`` of ``ids`` (D may hold a prefix). Up to SHORT_IDS ids come
+    back packed as ``array("q")`` (the hook writes them with one memcpy), checked with
+    builtins: this runs at the end of a prefill, on cold caches, where each numpy call
+    costs microseconds."""
     n, have = len(cd.dst[0]), len(ids)
     if have != n:
         if have < n:
             raise LayoutError(f"group 0: D registered {n} blocks, P holds {have}")
         ids = ids[have - n :]
-    if n:
-        if not isinstance(ids, np.ndarray):
-            ids = packed_ids(ids)  # each must be an int: the hook copies ids, not floats
-        elif ids.dtype.kind not in "iu":
+    if not n:
+        return ids, 0
+    if isinstance(ids, np.ndarray):
+        if ids.dtype.kind not in "iu":
             raise LayoutError(f"block ids must be integers, not {ids.dtype}")
-        lo, hi = id_range(ids)
-        if lo < 0 or hi >= limit:
-            raise LayoutError(f"group 0: block id outside [0, {limit})")
-    return ids, n * cd.block_bytes
+        if n > SHORT_IDS:
+            _check_range(limit, *id_range(ids))
+            return ids, n * cd.block_bytes
+        vals: Sequence[int] = ids.tolist()
+    else:
+        vals = ids
+    packed = packed_ids(vals)  # each must be an int: the hook copies ids, not floats
+    _check_range(limit, *((min(vals), max(vals)) if n <= SHORT_IDS else id_range(packed)))
+    return packed, n * cd.block_bytes
+
+
+def _check_range(limit: int, lo: int, hi: int) -> None:
+    if lo < 0 or hi >= limit:
+        raise LayoutError(f"group 0: block id outside [0, {limit})")
 
 
 class PeerCopyHook(Protocol):

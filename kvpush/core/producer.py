@@ -140,17 +140,19 @@ class Producer:
         if staged.request_id in self.by_prid:
             log.warning("request %s staged twice; ignoring the second", staged.request_id)
             return
+        # The common case first: D's registration of this transfer id came first and its
+        # copy is armed: copy now, keep the books after (the copy runs meanwhile).
+        first = self.pending_regs.by_tid(staged.transfer_id)
+        early = None if first is None else self._launch_armed(staged.block_ids, first)
         key = Key(staged.request_id, staged.transfer_id)
-        group = self.pending_regs.pop(key)
-        if group is not None:
-            # The common case first: copy now, keep the books after (the copy runs meanwhile).
-            early = self._launch_armed(staged.block_ids, group)
-        else:
-            early = None
+        group = self.pending_regs.pop(key)  # ``first`` if there was one
+        if group is None:
             if staged.transfer_id is not None and self.staged.find(key) is not None:
                 tid, rid = key.transfer_id, key.request_id
                 log.warning("transfer id %s staged twice; ignoring %s", tid, rid)
                 return
+        elif first is None:  # matched by request id: the same, a few lookups later
+            early = self._launch_armed(staged.block_ids, group)
         preq = PRequest(staged.request_id, staged.block_ids, staged.transfer_id)
         self.by_prid[preq.prid] = preq
         log.debug("transfer %s: staged (P request %s)", preq.tid or preq.prid, preq.prid)

@@ -145,16 +145,16 @@ class PushWorker:
         if not meta:
             return  # (get_finished, called every step too, checks the writer is alive)
         self._check_alive()
+        if self.inline:  # straight to the producer: its copy starts before anything else
+            for staged in meta.finished:
+                self._guard(self.producer.on_finished, staged)
         for reg in meta.registrations:
             self.consumer.reg_send_inbox.put(("reg", reg, None))
         for rid in meta.cancels:
             self.consumer.reg_send_inbox.put(("cancel", rid, False))
         for rid in meta.expired:
             self.consumer.reg_send_inbox.put(("cancel", rid, True))
-        if self.inline:  # straight to the producer: its copy may start before anything else
-            for staged in meta.finished:
-                self._guard(self.producer.on_finished, staged)
-        else:
+        if not self.inline:
             for staged in meta.finished:
                 self.producer.finished_blocks_inbox.put(staged)
         for rid in meta.evictions:

@@ -52,6 +52,7 @@ STAGES = (
     "notif",  # D's writer got the completion notification
     "scatter",  # staged: scatter started
     "polled",  # D's worker read its lane for the last time before it held the word
+    "seen",  # D's worker read the word
     "ready",  # D's worker reports the KV received
     "engine",  # D's engine saw it in finished_recving
 )
@@ -239,7 +240,8 @@ class Bench:
         if latency and self.a.unbound:
             out.append(("direct-unbound", 0, "auto", False, "thread"))
             out.append(("staged-unbound", self.a.total, "auto", False, "thread"))
-        return out
+        only = set(filter(None, self.a.only.split(",")))
+        return [m for m in out if m[0] in only] if only else out
 
     # ---- the whole run ---------------------------------------------------------------------
 
@@ -353,6 +355,7 @@ def main(argv: list[str] | None = None) -> int:
         " (spin: both engines step between requests too, as under load)",
     )
     ap.add_argument("--unbound", type=int, default=1, help="also time unbound writer threads")
+    ap.add_argument("--only", default="", help="run only these kvpush modes (comma-separated)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
         "--profile", default="", help="cProfile P's (MODE) or D's (MODE:D) engine thread"

@@ -177,6 +177,7 @@ class GpuEngine:
             if kind == "recv":
                 marks[("ready", rid)] = time.monotonic()
                 marks[("polled", rid)] = polls[0]  # the last read that did not see it yet
+                marks[("seen", rid)] = polls[1]  # the read that saw it
             emit(kind, rid, reason)
 
         w.transport.write = stamp("write", w.transport.write)  # type: ignore[method-assign]
@@ -297,7 +298,7 @@ class GpuEngine:
             nbytes = len(blocks) * self.spec.regions * self.spec.block_bytes
             took = time.monotonic() - t0
             info = {"t": now, "bytes": nbytes, "bad_regions": bad, "verify_s": took}
-            info.update(self._marks(rid, "notif", "scatter", "polled", "ready"))
+            info.update(self._marks(rid, "notif", "scatter", "polled", "seen", "ready"))
             self._give(blocks, owned)
             self.events.append(("recv", rid, info))
         for rid, reason in out.failed_recving.items():

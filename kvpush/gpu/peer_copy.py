@@ -27,6 +27,7 @@ as NIXL's metadata already lets it (use ``shared_secret`` on shared hosts).
 
 from __future__ import annotations
 
+import array
 import bisect
 import contextlib
 import logging
@@ -229,6 +230,7 @@ class _Prepared:
     __slots__ = (
         *("route", "dst", "mem", "table", "ptr", "src_at", "n"),
         *("word", "gen", "lane", "slot", "args", "argv", "grid", "blocks", "events", "mapped"),
+        "ids",
     )
 
     def __init__(
@@ -237,6 +239,7 @@ class _Prepared:
         self.mapped, self.route, self.dst, self.mem, self.table = mapped, route, dst, mem, table
         self.ptr = int(table.ctypes.data)  # pinned memory is mapped for the device (UVA)
         self.src_at = -1  # single group: where P's ids go (-1: the whole table at launch)
+        self.ids: Any = None  # single group: P's ids in the table, as int64 ("q")
         self.n = sum(len(g) for g in dst.dst)  # blocks D receives (single group: its ids)
         self.word = 0  # the device address of D's lane word (0: no signal)
         self.gen = 0
@@ -332,6 +335,7 @@ class CudaPeerCopy:
             self._signal_to(prep, mapped, dst.signal)
         if route.single:
             prep.src_at = route.head_for(prep.table, dst)
+            prep.ids = prep.table.data.cast("B").cast("q")[prep.src_at :][: prep.n]
             if self._func is not None:
                 self._build_args(prep)
         now = time.perf_counter()
@@ -400,9 +404,12 @@ class CudaPeerCopy:
     def _launch_ready(self, prep: _Prepared, ids: Any) -> bool:
         """A single-group copy whose arguments ``prepare`` built: ids in, one launch."""
         t0 = time.perf_counter()
-        prep.mapped.used = t0
-        prep.table[prep.src_at : prep.src_at + prep.n] = ids
-        self._bind()
+        if type(ids) is array.array and ids.typecode == "q":  # single_src packs short lists
+            prep.ids[:] = ids  # one memcpy into the pinned table
+        else:
+            prep.table[prep.src_at : prep.src_at + prep.n] = ids
+        if self._bound != threading.get_ident():
+            self._bind()
         if prep.blocks:
             self._counted += prep.blocks
             prep.args[5] = self._counted
@@ -415,6 +422,7 @@ class CudaPeerCopy:
             self._launch(self._signal_func, self._signal, (1, 1), (prep.word, prep.gen))
         if self._timed:
             prep.events[1].record(self.stream)
+        prep.mapped.used = t0
         return self._launched(prep, t0, t1)
 
     def _launched(self, prep: _Prepared, t0: float, t1: float) -> bool:

@@ -16,8 +16,10 @@ def test_transfer_id_wins() -> None:
     t.add(Key("p-req-aaaaaaaa", "tid-1"), "one")
     t.add(Key("other", "tid-2"), "two")
     assert t.find(Key("unrelated", "tid-2")) == "two"
+    assert t.by_tid("tid-2") == "two"  # the one-lookup form P tries before a copy
+    assert t.by_tid(None) is None and t.by_tid("tid-3") is None
     assert t.pop(Key("d-req", "tid-1")) == "one"
-    assert len(t) == 1
+    assert len(t) == 1 and t.by_tid("tid-1") is None
 
 
 def test_different_transfer_ids_never_match() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import array
 import ctypes
 import os
 from collections.abc import Sequence
@@ -320,9 +321,28 @@ def test_copy_halves_refuse_what_does_not_fit() -> None:
         with pytest.raises(LayoutError, match="integers"):
             copy_src(p, cd, [not_ints])
     # D may hold a prefix of the request: P copies the tail of its blocks.
-    for mine in ([7, 1, 2], np.array([7, 1, 2])):
+    for mine in ([7, 1, 2], np.array([7, 1, 2]), np.array([7, 1, 2], dtype=np.uint32)):
         ids, nbytes = single_src(16, cd, mine)
         assert list(ids) == [1, 2] and nbytes == 2 * cd.block_bytes == 2 * sum(cd.row_bytes)
+        # short lists come packed as int64 (the GPU hook copies them with one memcpy)
+        assert isinstance(ids, array.array) and ids.typecode == "q"
+    for not_ints in ([1, 2.5], np.array([1.0, 2.0])):
+        with pytest.raises(LayoutError, match="integers"):
+            single_src(16, cd, not_ints)
+    with pytest.raises(LayoutError, match="integers"):
+        single_src(16, cd, [1, 2**64])  # too large for int64: refused, not wrapped
+    # past SHORT_IDS: numpy checks the range; an array stays as it is
+    m2 = Model(layers=2, heads=4, mla=False, packed=False, nblocks=600)
+    p2, d2 = rank_layout(m2, 1, 0, 1, 0), rank_layout(m2, 1, 0, 1, 0)
+    big = copy_dst(d2, block_pieces(p2, d2, pair_regions(p2, d2)), [np.arange(300)])
+    ids, _ = single_src(600, big, np.arange(300))
+    assert isinstance(ids, np.ndarray) and list(ids) == list(range(300))
+    ids, _ = single_src(600, big, list(range(300, 600)))  # a long list: packed too
+    assert isinstance(ids, array.array) and ids[-1] == 599
+    with pytest.raises(LayoutError, match="outside"):
+        single_src(600, big, list(range(301, 601)))
+    with pytest.raises(LayoutError, match="outside"):
+        single_src(299, big, np.arange(300))
 
 
 def test_route_reuses_translated_rows_and_bounds_ids_by_the_export() -> None:

@@ -382,3 +382,24 @@ def test_inline_writer_works_on_the_engine_thread_and_idles_cheaply(
     for _ in range(50):
         w.get_finished()
     assert len(ticks) <= before + 1
+
+
+def test_received_bytes_count_each_group_once() -> None:
+    """recv_bytes: every region's bytes per logical block times its group's block count
+    (per-group sums computed once per worker, not per region per receive)."""
+    from types import SimpleNamespace
+
+    from kvpush.core.consumer import Consumer, RecvTransfer
+    from kvpush.core.layout import KVLayout, Region
+    from kvpush.core.types import RecvRegistration
+
+    regions = [
+        Region("k0", 0, 64, 100, group=0),
+        Region("k1", 1 << 20, 32, 100, group=1),
+        Region("v0", 2 << 20, 16, 100, group=0),
+    ]
+    layout = KVLayout(regions, 16, physical_per_logical=2)
+    c = Consumer(SimpleNamespace(layout=layout))  # type: ignore[arg-type]
+    for ids, want in (([[1, 2, 3], [4]], 2 * (3 * 64 + 32 + 3 * 16)), ([[], [5, 6]], 2 * 2 * 32)):
+        t = RecvTransfer(RecvRegistration("r", ids, "P", "h", 1))
+        assert c._nbytes(t) == want
