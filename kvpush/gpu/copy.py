@@ -19,28 +19,42 @@ import numpy as np
 
 from kvpush.core.errors import LayoutError
 
-_KERNEL = r"""
-extern "C" __global__ void kvpush_batched_copy(const unsigned long long* __restrict__ table,
-                                                long long n) {
-    long long i = blockIdx.x;
-    if (i >= n) return;
-    unsigned long long s = table[i], d = table[n + i], len = table[2 * n + i];
-    if (((s | d | len) & 15ULL) == 0ULL) {
+# Shared by every copy kernel of the package (peer_copy.py's too).
+COPY_RANGE = r"""
+// n bytes from s to d by the threads of one block: 16-byte vectors with eight loads in
+// flight per thread before any store when s, d and n are 16-byte aligned, else bytes.
+__device__ __forceinline__ void kvpush_copy_range(unsigned long long s, unsigned long long d,
+                                                  long long n) {
+    if (((s | d | (unsigned long long)n) & 15ULL) == 0ULL) {
         const uint4* __restrict__ s4 = reinterpret_cast<const uint4*>(s);
         uint4* __restrict__ d4 = reinterpret_cast<uint4*>(d);
-        unsigned long long n4 = len >> 4, j = threadIdx.x, st = blockDim.x;
-        for (; j + 3 * st < n4; j += 4 * st) {
-            uint4 a = s4[j], b = s4[j + st], c = s4[j + 2 * st], e = s4[j + 3 * st];
-            d4[j] = a; d4[j + st] = b; d4[j + 2 * st] = c; d4[j + 3 * st] = e;
+        long long n4 = n >> 4, j = threadIdx.x, st = blockDim.x;
+        for (; j + 7 * st < n4; j += 8 * st) {
+            uint4 r[8];
+#pragma unroll
+            for (int k = 0; k < 8; k++) r[k] = s4[j + k * st];
+#pragma unroll
+            for (int k = 0; k < 8; k++) d4[j + k * st] = r[k];
         }
         for (; j < n4; j += st) d4[j] = s4[j];
     } else {
         const unsigned char* sb = reinterpret_cast<const unsigned char*>(s);
         unsigned char* db = reinterpret_cast<unsigned char*>(d);
-        for (unsigned long long j = threadIdx.x; j < len; j += blockDim.x) db[j] = sb[j];
+        for (long long j = threadIdx.x; j < n; j += blockDim.x) db[j] = sb[j];
     }
 }
 """
+
+_KERNEL = (
+    COPY_RANGE
+    + r"""
+extern "C" __global__ void kvpush_batched_copy(const unsigned long long* __restrict__ table,
+                                                long long n) {
+    long long i = blockIdx.x;
+    if (i < n) kvpush_copy_range(table[i], table[n + i], (long long)table[2 * n + i]);
+}
+"""
+)
 THREADS = 256
 MAX_TILE = 1 << 20
 MIN_TILE = 4 << 10

@@ -44,6 +44,7 @@ import numpy as np
 from kvpush.core.errors import LayoutError
 from kvpush.core.lane import LaneView, host_identity
 from kvpush.core.peer_copy import CopyDst, Signal
+from kvpush.gpu.copy import COPY_RANGE
 from kvpush.gpu.driver import Driver, function_of, handle
 
 log = logging.getLogger(__name__)
@@ -62,7 +63,9 @@ class Exported(msgspec.Struct, frozen=True):
     device: str = ""  # the exporter's GPU (PCI bus id)
 
 
-_KERNEL = r"""
+_KERNEL = (
+    COPY_RANGE
+    + r"""
 extern "C" __global__ void kvpush_piece_copy(const long long* __restrict__ table,
                                              const long long* __restrict__ ids,
                                              long long tile, long long tiles,
@@ -77,27 +80,8 @@ extern "C" __global__ void kvpush_piece_copy(const long long* __restrict__ table
     long long len = p[6];
     if (i < p[9] && start < len) {
         long long n = len - start < tile ? len - start : tile;
-        unsigned long long s = (unsigned long long)(p[0] + ids[p[7] + i] * p[2] + p[4] + start);
-        unsigned long long d = (unsigned long long)(p[1] + ids[p[8] + i] * p[3] + p[5] + start);
-        if (((s | d | (unsigned long long)n) & 15ULL) == 0ULL) {
-            const uint4* __restrict__ s4 = reinterpret_cast<const uint4*>(s);
-            uint4* __restrict__ d4 = reinterpret_cast<uint4*>(d);
-            long long n4 = n >> 4, j = threadIdx.x, st = blockDim.x;
-            // Eight 16-byte loads in flight per thread before any store: a tile of 64 KiB
-            // is two rounds of 256 threads.
-            for (; j + 7 * st < n4; j += 8 * st) {
-                uint4 r[8];
-#pragma unroll
-                for (int k = 0; k < 8; k++) r[k] = s4[j + k * st];
-#pragma unroll
-                for (int k = 0; k < 8; k++) d4[j + k * st] = r[k];
-            }
-            for (; j < n4; j += st) d4[j] = s4[j];
-        } else {
-            const unsigned char* sb = reinterpret_cast<const unsigned char*>(s);
-            unsigned char* db = reinterpret_cast<unsigned char*>(d);
-            for (long long j = threadIdx.x; j < n; j += blockDim.x) db[j] = sb[j];
-        }
+        kvpush_copy_range((unsigned long long)(p[0] + ids[p[7] + i] * p[2] + p[4] + start),
+                          (unsigned long long)(p[1] + ids[p[8] + i] * p[3] + p[5] + start), n);
     }
     if (word != 0) {
         // Small copies signal from the kernel itself (one launch fewer): each block's
@@ -122,6 +106,7 @@ extern "C" __global__ void kvpush_lane_word(unsigned long long* word, unsigned l
     *reinterpret_cast<volatile unsigned long long*>(word) = gen;
 }
 """
+)
 THREADS = 256
 TILE = 64 << 10  # bytes per thread block: long pages are cut so the grid fills the GPU
 MAX_ROWS = 65535  # grid y
