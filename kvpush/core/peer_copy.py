@@ -114,10 +114,10 @@ def single_src(
     limit: int, cd: CopyDst, ids: Sequence[int] | np.ndarray
 ) -> tuple[Sequence[int] | np.ndarray, int]:
     """``copy_src`` for one group each side (``cd.single``), P's ids below ``limit``; the
-    last ``len(cd.dst[0])`` of ``ids`` (D may hold a prefix). Up to SHORT_IDS ids come
-    back packed as ``array("q")`` (the hook writes them with one memcpy), checked with
-    builtins: this runs at the end of a prefill, on cold caches, where each numpy call
-    costs microseconds."""
+    last ``len(cd.dst[0])`` of ``ids`` (D may hold a prefix). Lists, and arrays of up to
+    SHORT_IDS ids, come back packed as ``array("q")`` (the hook writes them with one
+    memcpy); up to SHORT_IDS ids are checked with builtins: this runs at the end of a
+    prefill, on cold caches, where each numpy call costs microseconds."""
     n, have = len(cd.dst[0]), len(ids)
     if have != n:
         if have < n:
@@ -135,6 +135,7 @@ def single_src(
     else:
         vals = ids
     packed = packed_ids(vals)  # each must be an int: the hook copies ids, not floats
+    # (id_range would turn the packed ids back into a list for the builtins)
     _check_range(limit, *((min(vals), max(vals)) if n <= SHORT_IDS else id_range(packed)))
     return packed, n * cd.block_bytes
 

@@ -389,12 +389,11 @@ class CudaPeerCopy:
     def _launch_ready(self, prep: _Prepared, ids: Any) -> bool:
         """A single-group copy whose arguments ``prepare`` built: ids in, one launch."""
         t0 = time.perf_counter()
-        if type(ids) is array.array and ids.typecode == "q":  # single_src packs short lists
+        if type(ids) is array.array and ids.typecode == "q":  # as single_src packs lists
             prep.ids[:] = ids  # one memcpy into the pinned table
         else:
             prep.table[prep.src_at : prep.src_at + prep.n] = ids
-        if self._bound != threading.get_ident():
-            self._bind()
+        self._bind()
         if prep.blocks:
             self._counted += prep.blocks
             prep.args[5] = self._counted
