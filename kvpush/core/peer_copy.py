@@ -158,9 +158,13 @@ class PeerCopyHook(Protocol):
         """
         ...
 
-    def launch(self, prepared: object, src: Sequence[Sequence[int] | np.ndarray]) -> bool:
+    def launch(
+        self, prepared: object, src: Sequence[Sequence[int] | np.ndarray], after: object = None
+    ) -> bool:
         """Start moving our blocks ``src`` (checked by ``copy_src``) into the peer's.
 
+        ``after``: device work our blocks' bytes are final after (``StagedBlocks.after``);
+        the copy must not read them before it is done (queue behind it, or wait for it).
         True: the copy runs on, and writes ``dst.signal`` once every byte has landed
         (``finished`` says when). False: the copy was waited for (no signal). Raises,
         having written nothing, when it cannot start.

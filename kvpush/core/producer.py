@@ -76,6 +76,7 @@ class PRequest:
     blocks: list[list[int]]
     tid: str | None
     expected: int | None = None  # D's TP size, known from the first registration
+    after: Any = None  # StagedBlocks.after until waited for (None: the bytes are final)
     legs: dict[int, PushTransfer] = field(default_factory=dict)
     resolved: int = 0
     ended: bool = False  # evicted: no more legs will be started
@@ -143,7 +144,7 @@ class Producer:
         # The common case first: D's registration of this transfer id came first and its
         # copy is armed: copy now, keep the books after (the copy runs meanwhile).
         first = self.pending_regs.by_tid(staged.transfer_id)
-        early = None if first is None else self._launch_armed(staged.block_ids, first)
+        early = None if first is None else self._launch_armed(staged, first)
         key = Key(staged.request_id, staged.transfer_id)
         group = self.pending_regs.pop(key)  # ``first`` if there was one
         if group is None:
@@ -152,8 +153,9 @@ class Producer:
                 log.warning("transfer id %s staged twice; ignoring %s", tid, rid)
                 return
         elif first is None:  # matched by request id: the same, a few lookups later
-            early = self._launch_armed(staged.block_ids, group)
+            early = self._launch_armed(staged, group)
         preq = PRequest(staged.request_id, staged.block_ids, staged.transfer_id)
+        preq.after = staged.after
         self.by_prid[preq.prid] = preq
         log.debug("transfer %s: staged (P request %s)", preq.tid or preq.prid, preq.prid)
         for pend in group.regs.values() if group else ():
@@ -314,7 +316,7 @@ class Producer:
 
     # ---- matching and writing ------------------------------------------------------------
 
-    def _launch_armed(self, blocks: list[list[int]], group: PendingGroup) -> Launched | None:
+    def _launch_armed(self, staged: StagedBlocks, group: PendingGroup) -> Launched | None:
         """Launch the copy prepared for a request's only registration, before any of the
         bookkeeping ``_attach`` and ``_push`` do; None when any of their checks might not
         pass (they then run in full and decide). ``_arm`` checked the rest (this rank
@@ -330,13 +332,14 @@ class Producer:
         if peer is None or peer.agent != armed.agent or peer.copy_declined:
             return None
         try:
-            limits = self.w.limits
+            limits, blocks = self.w.limits, staged.block_ids
             if armed.dst.single and len(blocks) == 1 and len(limits) == 1:
                 one, nbytes = single_src(limits[0], armed.dst, blocks[0])
                 ids = [one]
             else:
                 ids, nbytes = copy_src(limits, armed.dst, source_blocks(pend.dst, blocks))
-            signalled = self.w.peer_copy.launch(armed.handle, ids)  # type: ignore[union-attr]
+            hook = self.w.peer_copy
+            signalled = hook.launch(armed.handle, ids, staged.after)  # type: ignore[union-attr]
         except Exception:  # the full path meets it again and fails the leg with the reason
             return None
         pend.armed = None
@@ -406,6 +409,7 @@ class Producer:
                     ids, nbytes = copy_src(self.w.limits, armed.dst, src_groups)
                     self._copy(t, peer, armed, ids, nbytes)
                     return
+            self._settled(t)  # NIXL and the staging gather read the bytes as they are
             src, dst, staged = self._descriptors(t, peer, reg, src_groups)
         except (LayoutError, wire.WireError) as e:
             self.w.stats["reg_invalid"] += 1
@@ -504,12 +508,20 @@ class Producer:
         hook = self.w.peer_copy
         assert hook is not None
         try:
-            signalled = hook.launch(armed.handle, src)
+            signalled = hook.launch(armed.handle, src, t.preq.after if t.preq else None)
         except Exception as e:  # could not start, or (waited for) failed
             self.w.stats["copy_failed"] += 1
             self._fail(t, peer, f"direct copy failed: {e}")
             return
         self._copied(t, peer, armed.handle, src, nbytes, signalled)
+
+    @staticmethod
+    def _settled(t: PushTransfer) -> None:
+        """Wait until the device work P's blocks follow (``StagedBlocks.after``) is done."""
+        preq = t.preq
+        if preq is not None and preq.after is not None:
+            preq.after.synchronize()
+            preq.after = None
 
     def _copied(
         self,

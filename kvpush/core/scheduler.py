@@ -14,6 +14,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from kvpush.core.errors import ConfigError
 from kvpush.core.types import RecvRegistration, StagedBlocks, StepMeta, WorkerOutput
@@ -59,8 +60,11 @@ class PushScheduler:
         block_ids: list[list[int]],
         transfer_id: str | None = None,
         now: float | None = None,
+        after: Any = None,
     ) -> bool:
-        """A prefill finished: hold its blocks for the push. Returns True (free later)."""
+        """A prefill finished: hold its blocks for the push. Returns True (free later).
+
+        ``after``: device work the blocks' bytes are final after (``StagedBlocks.after``)."""
         if request_id in self._held:
             log.warning("request %s finished twice; ignoring", request_id)
             return True
@@ -68,7 +72,7 @@ class PushScheduler:
         self._leases[request_id] = now + self.config.lease_s
         self._next_deadline = min(self._next_deadline, now + self.config.lease_s)
         self._held[request_id] = sum(len(g) for g in block_ids)
-        self._new_finished.append(StagedBlocks(request_id, block_ids, transfer_id))
+        self._new_finished.append(StagedBlocks(request_id, block_ids, transfer_id, after))
         return True
 
     # ---- D -------------------------------------------------------------------------------

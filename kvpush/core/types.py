@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import logging
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvpush.core.errors import ConfigError
 from kvpush.core.lane import MAX_SLOTS
@@ -60,6 +61,11 @@ class StagedBlocks:
     request_id: str
     block_ids: list[list[int]]
     transfer_id: str | None = None
+    # Device work the blocks' bytes are final after (an event with query() and
+    # synchronize(), as torch's and CuPy's CUDA events have); None: final already. Lets an
+    # engine hand over blocks as soon as their last write is queued: a peer copy is queued
+    # behind the event, a WRITE waits for it.
+    after: Any = None
 
 
 @dataclass

@@ -149,7 +149,15 @@ class Bench:
             "bind_thread": bind,
         }
         self.p_port, d_port = free_port(), free_port()
-        p = self.P.call("setup", GpuSpec("P", self.p_port, device=self.a.p_device, **common))
+        p_spec = GpuSpec(
+            "P",
+            self.p_port,
+            device=self.a.p_device,
+            prefill_us=self.a.prefill_us,
+            eager=bool(self.a.eager),
+            **common,
+        )
+        p = self.P.call("setup", p_spec)
         self.D.call("setup", GpuSpec("D", d_port, device=self.a.d_device, **common))
         return p.get("copier")
 
@@ -166,10 +174,12 @@ class Bench:
         ev = D.wait_for(lambda e: e[0] in ("recv", "failed") and e[1] == f"{rid}-d", 300, "recv")
         if ev[0] != "recv":
             raise RuntimeError(f"{rid}: {ev}")
-        t0 = P.wait_for(lambda e: e[0] == "pushed" and e[1] == f"{rid}-p", 60, "pushed")[2]["t"]
+        pushed = P.wait_for(lambda e: e[0] == "pushed" and e[1] == f"{rid}-p", 60, "pushed")[2]
+        t0 = pushed["t"]
         sent = P.wait_for(lambda e: e[0] == "sent" and e[1] == f"{rid}-p", 60, "sent")[2]
         marks = {**sent, **ev[2]}
         out = {"bad": float(ev[2]["bad_regions"]), "engine": ev[2]["t"] - t0}
+        out["late"] = float(pushed.get("late", False))
         for name in STAGES[:-1]:
             if name in marks:
                 out[name] = marks[name] - t0
@@ -214,11 +224,15 @@ class Bench:
         }
         if "peer_copy_us" in st:
             res["copy_us"] = st["peer_copy_us"]  # table / launch / wait, medians
+        # A late round (--eager) has no start to measure from: left out of the figures.
+        late = sum(r["late"] for r in runs)
+        runs = [r for r in runs if not r["late"]] or runs
         # KV ready = D's worker reports it (after the scatter); engine = D's engine saw it.
         ready = [r.get("ready", r["engine"]) for r in runs]
         res.update(lat_summary(ready) if latency else summary(ready, n_blocks * block))
         engine = [r["engine"] for r in runs]
         res["engine"] = lat_summary(engine) if latency else summary(engine, n_blocks * block)
+        res["late_rounds"] = int(late)  # --eager: see GpuEngine.step
         res["stages_us"] = {
             k: statistics.median(r[k] for r in runs) * 1e6
             for k in STAGES
@@ -330,6 +344,8 @@ def print_tables(res: dict[str, Any], modes: list[str]) -> None:
         st = " ".join(f"{k}={v:.0f}" for k, v in r.get("stages_us", {}).items())
         eng = r.get("engine", {}).get("p50_us")
         extra = f"  engine p50 {eng:.0f}  stages {st}" if eng else ""
+        if r.get("late_rounds"):
+            extra += f"  late rounds {r['late_rounds']}"
         print(f"{m}: {cell(r, 'p50_us', '.0f')} / {cell(r, 'p90_us', '.0f')}{extra}")
 
 
@@ -356,6 +372,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--unbound", type=int, default=1, help="also time unbound writer threads")
     ap.add_argument("--only", default="", help="run only these kvpush modes (comma-separated)")
+    ap.add_argument(
+        "--prefill-us", type=float, default=0.0, help="P's prefill keeps the GPU busy this long"
+    )
+    ap.add_argument(
+        "--eager",
+        type=int,
+        default=0,
+        help="P hands its blocks over with an event behind their writes, not after a sync"
+        " (times then start when the event first reports done)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
         "--profile", default="", help="cProfile P's (MODE) or D's (MODE:D) engine thread"

@@ -30,6 +30,8 @@ class Driver:
         self._query.argtypes = [_vp]
         self._sync = cu.cuStreamSynchronize
         self._sync.argtypes = [_vp]
+        self._wait_event = cu.cuStreamWaitEvent
+        self._wait_event.argtypes = [_vp, _vp, _uint]
         self._register = cu.cuMemHostRegister_v2
         self._register.argtypes = [_vp, ctypes.c_size_t, _uint]
         self._unregister = cu.cuMemHostUnregister
@@ -73,6 +75,12 @@ class Driver:
         err = self._sync(stream)
         if err:
             raise CudaError(f"the copy stream failed: CUDA error {err}")
+
+    def wait_event(self, stream: Any, event: int) -> None:
+        """Work queued on ``stream`` from now on starts after ``event``'s work is done."""
+        err = self._wait_event(stream, event, 0)
+        if err:
+            raise CudaError(f"cuStreamWaitEvent failed: CUDA error {err}")
 
     def map_host(self, addr: int, size: int) -> int:
         """Pin host memory (another process's shared memory too) for device access;

@@ -50,6 +50,11 @@ class GpuSpec:
     bind_thread: bool = True  # CUDA: CudaNixlTransport (see kvpush/gpu/transport.py)
     lease_s: float = 30.0
     watchdog_s: float = 30.0
+    # P: a prefill first keeps the device busy this long (a model's forward, roughly);
+    # eager: its blocks go to the core with an event after their last write
+    # (StagedBlocks.after) instead of after a device sync (CUDA only).
+    prefill_us: float = 0.0
+    eager: bool = False
     worker: dict[str, Any] = field(default_factory=dict)  # extra WorkerConfig fields
 
     @property
@@ -238,16 +243,29 @@ class GpuEngine:
         if took is None:
             return False
         ids, owned = took
-        idx, key = self._index(ids), content_key(rid, tid)
+        cuda = self.device.type == "cuda"
+        idx, key = self._index(ids), content_key(rid, tid)  # (a blocking copy: before)
+        if cuda and self.spec.prefill_us > 0:
+            import torch
+
+            khz = torch.cuda.get_device_properties(self.device).clock_rate
+            torch.cuda._sleep(int(self.spec.prefill_us * khz / 1000))
         for r in range(self.spec.regions):
             want = pattern(key, r, len(ids), self.spec.block_bytes, idx.device)
             self.kv[r].index_copy_(0, idx, want)
-        sync(self.device)  # the KV must be complete before any copy engine reads it
+        after = None
+        if cuda and self.spec.eager:  # the core orders the push behind the writes above
+            import torch
+
+            after = torch.cuda.Event()
+            after.record()
+        else:
+            sync(self.device)  # the KV must be complete before any copy engine reads it
         self.p_reqs[rid] = (ids, owned)
         # A GPU engine keeps block tables as arrays: the core takes them without converting
         # (a Python list of 16k ids costs ~0.5 ms to convert on the GPU host).
         table: Any = np.asarray(ids, dtype=np.int64)
-        self.sched.request_finished(rid, [table], tid)
+        self.sched.request_finished(rid, [table], tid, after=after)
         self.events.append(("staged", rid, {"t": time.monotonic()}))
         return True
 
@@ -279,10 +297,19 @@ class GpuEngine:
 
     def step(self) -> None:
         meta = self.sched.build_meta()
-        if meta.finished:
-            t = time.monotonic()
-            self.events += [("pushed", s.request_id, {"t": t}) for s in meta.finished]
+        t = time.monotonic()
         self.worker.start_step(meta)
+        for s in meta.finished:
+            info: dict[str, Any] = {"t": t}
+            if s.after is not None:
+                # Benchmarks: times start when the prefill's writes end, i.e. when the event
+                # first reports done (a spin, P only). "late": it was done at the first look
+                # (the step's other work took longer than the prefill): t is then too late.
+                info["late"] = s.after.query()
+                while not s.after.query():
+                    pass
+                info["t"] = time.monotonic()
+            self.events.append(("pushed", s.request_id, info))
         out = self.sched.update(self.worker.get_finished())
         now = time.monotonic()
         for rid in out.finished_sending:

@@ -346,13 +346,13 @@ class CudaPeerCopy:
             self._cupy.cuda.runtime.setDevice(self._dev)
             self._bound = threading.get_ident()
 
-    def launch(self, prepared: object, src: Sequence[Any]) -> bool:
+    def launch(self, prepared: object, src: Sequence[Any], after: object = None) -> bool:
         prep = prepared
         assert isinstance(prep, _Prepared)
         if not prep.n or not len(prep.dst.pieces):
             return False  # nothing to move
         if prep.argv is not None:
-            return self._launch_ready(prep, src[0])
+            return self._launch_ready(prep, src[0], after)
         t0 = prep.mapped.used = time.perf_counter()
         route, table = prep.route, prep.table
         if prep.src_at >= 0:
@@ -369,6 +369,8 @@ class CudaPeerCopy:
         if grid[0] > MAX_GRID_X:
             raise LayoutError(f"{most} blocks of {route.tiles} tiles exceed one launch")
         self._bind()
+        if after is not None:
+            self._follow(after)
         word = (prep.word, prep.gen)
         ptr = prep.ptr
         if ptr < 0:  # the table was grown at this launch
@@ -386,7 +388,7 @@ class CudaPeerCopy:
                 self._launch(self._signal_func, self._signal, (1, 1), word)
         return self._launched(prep, t0, t1)
 
-    def _launch_ready(self, prep: _Prepared, ids: Any) -> bool:
+    def _launch_ready(self, prep: _Prepared, ids: Any, after: object = None) -> bool:
         """A single-group copy whose arguments ``prepare`` built: ids in, one launch."""
         t0 = time.perf_counter()
         if type(ids) is array.array and ids.typecode == "q":  # as single_src packs lists
@@ -397,6 +399,8 @@ class CudaPeerCopy:
         if prep.blocks:
             self._counted += prep.blocks
             prep.args[5] = self._counted
+        if after is not None:
+            self._follow(after)
         t1 = time.perf_counter()
         if self._timed:
             prep.events = (self._cupy.cuda.Event(), self._cupy.cuda.Event())
@@ -408,6 +412,17 @@ class CudaPeerCopy:
             prep.events[1].record(self.stream)
         prep.mapped.used = t0
         return self._launched(prep, t0, t1)
+
+    def _follow(self, after: Any) -> None:
+        """Queue what comes next on the copy stream behind ``after``: a torch or CuPy CUDA
+        event of this device (its handle is ``cuda_event`` or ``ptr``); anything else that
+        the core accepts (``synchronize()``) is waited for here."""
+        event = getattr(after, "cuda_event", None) or getattr(after, "ptr", None)
+        if isinstance(event, int) and event:
+            self._drv.wait_event(self._stream_h, event)
+            self.stats["follows"] += 1
+        else:
+            after.synchronize()
 
     def _launched(self, prep: _Prepared, t0: float, t1: float) -> bool:
         """After a launch: its times; True with a lane word, else waited for (False)."""

@@ -152,3 +152,21 @@ def test_ipc_without_lane_waits_and_notifies(pair: Pair) -> None:
     st = pair.p.call("stats")
     assert st["peer_copy_copies"] == len(SIZES) and st.get("copies_done", 0) == 0, st
     assert pair.d.call("stats").get("lane_done", 0) == 0
+
+
+@pytest.mark.parametrize("ipc", [True, False], ids=["ipc", "write"])
+def test_eager_prefill_is_read_only_after_its_writes(pair: Pair, ipc: bool) -> None:
+    """P hands its blocks over right after queueing their writes behind 20 ms of device
+    work (StagedBlocks.after, no sync): the copy is queued behind the event, the WRITE
+    waits for it. Blocks are reused, so anything read early holds another request's KV."""
+    if pair.p.device == "cpu":
+        pytest.skip("an event to queue behind exists on CUDA devices only")
+    pair.setup(peer_copy=ipc, eager=True, prefill_us=20_000, worker={**FAST, "writer": "inline"})
+    for n in (3, 17):
+        rid = pair.push(n)
+        pair.check(rid, n)
+    st = pair.p.call("stats")
+    if ipc:
+        assert st["peer_copy_copies"] == 2 and st["peer_copy_follows"] == 2, st
+    else:
+        assert st["writes"] == 2 and "peer_copy_follows" not in st, st

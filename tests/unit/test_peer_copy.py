@@ -14,6 +14,7 @@ import pytest
 from kvpush.core.errors import ConfigError
 from kvpush.core.lane import CompletionLane, LaneView
 from kvpush.core.peer_copy import CopyDst
+from kvpush.sim.engine import content_key
 from tests.conftest import wait_until
 from tests.unit.test_staging_hook import NumpyStaging, StagedPair
 
@@ -40,6 +41,7 @@ class MemmovePeerCopy:
         self.copied = 0
         self.prepared = 0
         self.running: list[tuple[CopyDst, list[Any]]] = []
+        self.afters = 0  # launches that had to follow an engine's device work
         self.forgotten: list[str] = []
 
     def export(self) -> bytes:
@@ -51,10 +53,13 @@ class MemmovePeerCopy:
         self.prepared += 1
         return dst
 
-    def launch(self, prepared: object, src: Sequence[Any]) -> bool:
+    def launch(self, prepared: object, src: Sequence[Any], after: Any = None) -> bool:
         assert isinstance(prepared, CopyDst)
         if self.fail:
             raise RuntimeError("illegal address")
+        if after is not None:  # what a device hook orders its copy behind
+            after.synchronize()
+            self.afters += 1
         self.running.append((prepared, list(src)))
         if not self.hold:
             self.release()
@@ -414,3 +419,49 @@ def test_a_lane_left_by_a_killed_decoder_is_removed_by_the_next_one() -> None:
         if owner.is_alive():
             owner.kill()
         owner.join(30)
+
+
+class DeviceWork:
+    """StagedBlocks.after as an engine's CUDA event: the prefill's writes happen when the
+    work is waited for (a reader that does not wait finds the blocks unwritten)."""
+
+    def __init__(self, write: Any) -> None:
+        self.write, self.waits = write, 0
+
+    def query(self) -> bool:
+        return self.write is None
+
+    def synchronize(self) -> None:
+        self.waits += 1
+        if self.write is not None:
+            self.write()
+            self.write = None
+
+
+def prefill_after(pr: StagedPair, rid: str, n: int) -> DeviceWork:
+    """P's prefill handed over before its writes are done (``after``), then D's outcome."""
+    p = pr.p
+    pr.d.register(rid, rid, n, "P", "127.0.0.1", p.spec.port)
+    wait_until(lambda: p.worker.snapshot()["pending_registrations"] > 0, 30, pr.step)
+    blocks = p._alloc(n)
+    assert blocks is not None
+    work = DeviceWork(lambda: p.mem.fill(content_key(rid, rid), blocks))
+    p.p_reqs[rid] = blocks
+    p.sched.request_finished(rid, [blocks], rid, after=work)
+    kind, info = pr.outcome(rid)
+    assert kind == "recv" and info["bad_regions"] == 0, info  # nothing read early
+    return work
+
+
+@pytest.mark.parametrize("copy", [True, False], ids=["copy", "write"])
+def test_blocks_handed_over_before_their_writes_are_read_after_them(pair: Any, copy: bool) -> None:
+    """StagedBlocks.after: the peer copy is given the event to queue behind (the hook
+    waits here), a WRITE waits for it before NIXL reads the blocks."""
+    p_hook = MemmovePeerCopy("h1")
+    pr = pair(p_hook, MemmovePeerCopy("h1" if copy else "other"))
+    for i in range(2):  # the second copy was armed at registration (the early launch)
+        work = prefill_after(pr, f"r{i}", 3)
+        assert work.waits == 1
+    st = pr.p.worker.stats
+    assert (st["copies"], st["writes"]) == ((2, 0) if copy else (0, 2))
+    assert p_hook.afters == (2 if copy else 0)
