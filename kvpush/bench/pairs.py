@@ -46,6 +46,7 @@ from kvpush.deploy.servers import (
 CONFIGS = ("kvpush", "push", "pull")
 LABELS = {
     "kvpush": "kvpush (router, both legs at once)",
+    "kvpush-finished": "kvpush, pushing after vLLM finished the request (hand_over: finished)",
     "push": "vLLM NixlPushConnector (client, both legs at once)",
     "pull": "vLLM NixlConnector (client, prefill then decode)",
 }
@@ -145,11 +146,13 @@ def _stream(
 
 class KvpushPair(Pair):
     name = "kvpush"
+    options: dict[str, Any] = {}  # kv_connector_extra_config keys (read only)
 
     def _launch(self) -> list[Proc]:
-        side = free_port()
-        p = self._server("prefill", kvpush_config("kv_producer", "prefill", side), 0, {})
-        d = self._server("decode", kvpush_config("kv_consumer", "decode", free_port()), 1, {})
+        side, opts = free_port(), self.options
+        p = self._server("prefill", kvpush_config("kv_producer", "prefill", side, **opts), 0, {})
+        d_config = kvpush_config("kv_consumer", "decode", free_port(), **opts)
+        d = self._server("decode", d_config, 1, {})
         self.router = RouterProc(p.url, d.url, f"127.0.0.1:{side}", self.log_dir)
         return [p, d, self.router]
 
@@ -262,8 +265,20 @@ def _prefill_leg(
     return params
 
 
+class KvpushFinishedPair(KvpushPair):
+    """kvpush as before the early hand-over: P pushes once vLLM finished the request."""
+
+    name = "kvpush-finished"
+    options = {"hand_over": "finished"}
+
+
 def make_pair(name: str, model: str, log_dir: str) -> Pair:
-    kinds: dict[str, type[Pair]] = {"kvpush": KvpushPair, "push": InTreePushPair, "pull": PullPair}
+    kinds: dict[str, type[Pair]] = {
+        "kvpush": KvpushPair,
+        "kvpush-finished": KvpushFinishedPair,
+        "push": InTreePushPair,
+        "pull": PullPair,
+    }
     if name not in kinds:
         raise ValueError(f"unknown configuration {name!r}; known: {', '.join(kinds)}")
     return kinds[name](model, log_dir)

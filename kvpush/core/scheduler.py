@@ -42,6 +42,9 @@ class PushScheduler:
         self._held: dict[str, int] = {}  # request id -> blocks held for the push
         self._evicting: set[str] = set()
         self._new_finished: list[StagedBlocks] = []
+        self._early: set[str] = set()  # handed over at the forward, not finished yet
+        self._new_early: list[StagedBlocks] = []
+        self._new_confirmed: list[str] = []
         # D side
         self._watchdogs: dict[str, float] = {}
         self._new_regs: list[RecvRegistration] = []
@@ -64,7 +67,13 @@ class PushScheduler:
     ) -> bool:
         """A prefill finished: hold its blocks for the push. Returns True (free later).
 
-        ``after``: device work the blocks' bytes are final after (``StagedBlocks.after``)."""
+        ``after``: device work the blocks' bytes are final after (``StagedBlocks.after``).
+        A request handed over early (``hand_over``) is only confirmed: the worker may now
+        report it sent; its blocks stay held, whatever the request ended as."""
+        if request_id in self._early:
+            self._early.discard(request_id)
+            self._new_confirmed.append(request_id)
+            return True
         if request_id in self._held:
             log.warning("request %s finished twice; ignoring", request_id)
             return True
@@ -74,6 +83,33 @@ class PushScheduler:
         self._held[request_id] = sum(len(g) for g in block_ids)
         self._new_finished.append(StagedBlocks(request_id, block_ids, transfer_id, after))
         return True
+
+    def hand_over(
+        self,
+        request_id: str,
+        block_ids: list[list[int]],
+        transfer_id: str | None = None,
+        now: float | None = None,
+    ) -> bool:
+        """A prefill ends in the step being scheduled: hold its blocks and let the worker
+        push them once the step's writes are queued (``StepMeta.early``).
+
+        The engine must call ``request_finished`` for it later (it confirms); until then
+        the worker keeps back its finished_sending, so the blocks are never freed while
+        the request still runs. Only for requests that end in that step (P's one-token
+        requests): one that ran on could be preempted with its blocks in a push.
+        False (nothing done) when the request is already held."""
+        if request_id in self._held:
+            log.warning("request %s handed over twice; ignoring", request_id)
+            return False
+        self.request_finished(request_id, block_ids, transfer_id, now)
+        self._new_early.append(self._new_finished.pop())
+        self._early.add(request_id)
+        return True
+
+    def handed_over(self, request_id: str) -> bool:
+        """True while a request handed over early waits for its ``request_finished``."""
+        return request_id in self._early
 
     # ---- D -------------------------------------------------------------------------------
 
@@ -111,6 +147,7 @@ class PushScheduler:
     def build_meta(self, now: float | None = None) -> StepMeta:
         now = time.monotonic() if now is None else now
         new = self._new_regs or self._new_cancels or self._new_finished or self._rejected
+        new = new or self._new_early or self._new_confirmed
         if not new and now < self._next_deadline:  # most steps: nothing to hand over
             return StepMeta()
         meta = StepMeta(
@@ -118,8 +155,11 @@ class PushScheduler:
             cancels=self._new_cancels,
             finished=self._new_finished,
             rejected=self._rejected,
+            early=self._new_early,
+            confirmed=self._new_confirmed,
         )
         self._new_regs, self._new_cancels, self._new_finished = [], [], []
+        self._new_early, self._new_confirmed = [], []
         self._rejected = {}
         if now < self._next_deadline:  # nothing can have run out: no O(requests) scan
             return meta
@@ -192,6 +232,8 @@ class PushScheduler:
             or self._new_regs
             or self._new_cancels
             or self._new_finished
+            or self._new_early
+            or self._new_confirmed
         )
 
     def held_blocks(self) -> int:

@@ -78,6 +78,11 @@ class StepMeta:
     finished: list[StagedBlocks] = field(default_factory=list)
     evictions: list[str] = field(default_factory=list)  # P request ids past their lease
     rejected: dict[str, str] = field(default_factory=dict)  # D request ids -> why unusable
+    # P: prefills that end in this step, for the engine to hand over as soon as their last
+    # write is queued (``PushWorker.hand_over``), before it has finished the request: the
+    # worker keeps back their finished_sending until ``confirmed`` names them.
+    early: list[StagedBlocks] = field(default_factory=list)
+    confirmed: list[str] = field(default_factory=list)  # P: early ones the engine finished
 
     def __bool__(self) -> bool:
         return bool(
@@ -87,6 +92,8 @@ class StepMeta:
             or self.finished
             or self.evictions
             or self.rejected
+            or self.early
+            or self.confirmed
         )
 
 

@@ -36,7 +36,7 @@ from kvpush.core.producer import Producer
 from kvpush.core.routing import RegionPair, block_pieces, pair_regions
 from kvpush.core.staging import StagingHook
 from kvpush.core.transport import Transport
-from kvpush.core.types import StepMeta, WorkerConfig, WorkerOutput
+from kvpush.core.types import StagedBlocks, StepMeta, WorkerConfig, WorkerOutput
 
 log = logging.getLogger(__name__)
 
@@ -133,6 +133,11 @@ class PushWorker:
         # writer="inline": the engine thread ticks in start_step / get_finished instead.
         self.inline = config.writer == "inline"
         self._next_tick = 0.0  # inline: when get_finished must tick even if idle
+        # Requests handed over early (hand_over) that the engine has not finished yet: their
+        # "sent" waits in _kept until start_step brings their confirmation.
+        self._early: set[str] = set()
+        self._kept: set[str] = set()
+        self._sent_now: set[str] = set()  # confirmed after they were sent: next get_finished
         self._thread: threading.Thread | None = None
         if not self.inline:
             self._thread = threading.Thread(target=self._run, name="kvpush-writer", daemon=True)
@@ -145,6 +150,11 @@ class PushWorker:
         if not meta:
             return  # (get_finished, called every step too, checks the writer is alive)
         self._check_alive()
+        for rid in meta.confirmed:
+            if rid in self._kept:
+                self._kept.discard(rid)
+                self._sent_now.add(rid)
+            self._early.discard(rid)
         if self.inline:  # straight to the producer: its copy starts before anything else
             for staged in meta.finished:
                 self._guard(self.producer.on_finished, staged)
@@ -166,6 +176,26 @@ class PushWorker:
         else:
             self._wake.set()
 
+    def hand_over(self, early: list[StagedBlocks]) -> None:
+        """Push the blocks of ``StepMeta.early`` now: called by the engine once the step's
+        writes of them are queued (with ``after`` set when they are not done yet). Their
+        finished_sending waits for ``StepMeta.confirmed``: until the engine has finished
+        a request, its blocks are still the request's."""
+        if not early:
+            return
+        self._check_alive()
+        self.stats["handed_over"] += len(early)
+        for staged in early:
+            self._early.add(staged.request_id)
+            if self.inline:
+                self._guard(self.producer.on_finished, staged)
+            else:
+                self.producer.finished_blocks_inbox.put(staged)
+        if self.inline:
+            self._inline_tick()
+        else:
+            self._wake.set()
+
     def get_finished(self) -> WorkerOutput:
         """Collect what finished since the last call; wakes the writer to poll unless idle."""
         self._check_alive()
@@ -179,11 +209,16 @@ class PushWorker:
             elif self.lane is not None and self.lane.waiting:
                 self.consumer.poll_lane()
         out = WorkerOutput()
+        if self._sent_now:
+            out.finished_sending, self._sent_now = self._sent_now, set()
         results = self._results
         while not results.empty():  # the engine thread is the only consumer
             kind, rid, reason = results.get_nowait()
             if kind == "sent":
-                out.finished_sending.add(rid)
+                if rid in self._early:  # not finished by the engine yet: keep it back
+                    self._kept.add(rid)
+                else:
+                    out.finished_sending.add(rid)
             elif kind == "recv":
                 out.finished_recving.add(rid)
             elif kind == "failed":

@@ -82,16 +82,25 @@ class SimEngine:
     def _release(self, blocks: list[int]) -> None:
         self.free.extend(blocks)
 
-    def prefill(self, rid: str, tid: str | None, n_blocks: int) -> bool:
-        """P: 'compute' the KV of a request and stage it for the push."""
+    def prefill(self, rid: str, tid: str | None, n_blocks: int, early: bool = False) -> bool:
+        """P: 'compute' the KV of a request and stage it for the push (``early``: hand it
+        over in the next step, as vLLM's connector does at the forward; ``finish`` then
+        ends the request)."""
         blocks = self._alloc(n_blocks)
         if blocks is None:
             return False
         self.mem.fill(content_key(rid, tid), blocks)
         self.p_reqs[rid] = blocks
-        self.sched.request_finished(rid, [blocks], tid)
+        if early:
+            self.sched.hand_over(rid, [blocks], tid)
+        else:
+            self.sched.request_finished(rid, [blocks], tid)
         self.events.append(("staged", rid, {"t": time.monotonic()}))
         return True
+
+    def finish(self, rid: str) -> None:
+        """P: the engine ends a request it handed over early."""
+        self.sched.request_finished(rid, [self.p_reqs[rid]])
 
     def register(
         self,
@@ -135,7 +144,9 @@ class SimEngine:
     # ---- stepping --------------------------------------------------------------------------
 
     def step(self) -> None:
-        self.worker.start_step(self.sched.build_meta())
+        meta = self.sched.build_meta()
+        self.worker.start_step(meta)
+        self.worker.hand_over(meta.early)  # as an engine does once the step's writes are queued
         out = self.sched.update(self.worker.get_finished())
         now = time.monotonic()
         for rid in out.finished_sending:

@@ -37,6 +37,10 @@ class ConnectorOptions:
     # Words of the completion lane a decoder offers same-host copies (0: completions over
     # NIXL only); see kvpush/core/lane.py.
     lane_slots: int = 1 << 16
+    # When P pushes a request's KV: "forward" (default) at the end of the forward that
+    # completes its prefill (wait_for_save, behind a CUDA event on GPUs), for one-token
+    # requests whose prompt is prefilled in one step; "finished" after vLLM finished it.
+    hand_over: str = "forward"
     trusted_decoders: str = ""  # "host:port,host:port" of decoder side channels; empty: any
     shared_secret: str = ""
 
@@ -99,6 +103,8 @@ class ConnectorOptions:
             raise ConfigError("peer_copy must be 'auto', 'on' or 'off'")
         if opts.descriptor_mode not in ("coalesced", "prepped"):
             raise ConfigError("descriptor_mode must be 'coalesced' or 'prepped'")
+        if opts.hand_over not in ("forward", "finished"):
+            raise ConfigError("hand_over must be 'forward' or 'finished'")
         if opts.writer not in ("thread", "inline"):
             raise ConfigError("writer must be 'thread' or 'inline'")
         if not 0 <= opts.lane_slots <= MAX_SLOTS:

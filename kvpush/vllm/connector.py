@@ -109,10 +109,11 @@ class KVPushConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def save_kv_layer(
         self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
     ) -> None:
-        return None  # P pushes after the request finished, from the writer thread
+        return None  # P pushes whole requests, at wait_for_save or once they finished
 
     def wait_for_save(self) -> None:
-        return None
+        assert self.worker_side is not None
+        self.worker_side.hand_over()  # the prefills this forward completes
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
         assert self.worker_side is not None
@@ -161,7 +162,7 @@ class KVPushConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def build_connector_meta(self, scheduler_output: Any) -> KVPushMeta:
         assert self.sched_side is not None
-        return KVPushMeta(step=self.sched_side.sched.build_meta())
+        return KVPushMeta(step=self.sched_side.build_meta(scheduler_output))
 
     def update_connector_output(self, connector_output: Any) -> None:
         assert self.sched_side is not None

@@ -11,7 +11,7 @@ import logging
 from typing import Any
 
 from kvpush.core.scheduler import PushScheduler, SchedulerConfig
-from kvpush.core.types import RecvRegistration, WorkerOutput
+from kvpush.core.types import RecvRegistration, StepMeta, WorkerOutput
 from kvpush.vllm.config import ConnectorOptions
 
 log = logging.getLogger(__name__)
@@ -43,6 +43,8 @@ class SchedulerSide:
         self.is_consumer = is_consumer
         self.tp_size = tp_size
         self.sched = PushScheduler(SchedulerConfig(opts.lease_s, opts.watchdog_s))
+        # P requests allocated in the step being scheduled: build_meta may hand them over.
+        self._new_p: dict[str, Any] = {}
 
     # ---- D ---------------------------------------------------------------------------------
 
@@ -63,6 +65,8 @@ class SchedulerSide:
         block_size: int,
     ) -> None:
         params = _params(request)
+        if self.is_producer and params.get("do_remote_decode") and self.opts.hand_over == "forward":
+            self._new_p[request.request_id] = request
         if (
             num_external_tokens <= 0
             or not params.get("do_remote_prefill")
@@ -90,6 +94,36 @@ class SchedulerSide:
             return
         self.sched.add_registration(reg)
 
+    # ---- P --------------------------------------------------------------------------------
+
+    def build_meta(self, scheduler_output: Any) -> StepMeta:
+        """The step's metadata; first hands over the P requests whose prefill this step
+        completes (``StepMeta.early``: the workers push them at the end of the forward)."""
+        new_p, self._new_p = self._new_p, {}
+        if new_p:
+            counts = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
+            for new in getattr(scheduler_output, "scheduled_new_reqs", None) or ():
+                request = new_p.get(new.req_id)
+                if request is not None and self._ends_here(request, new, counts):
+                    tid = _params(request).get("transfer_id")
+                    blocks = [list(new.block_ids[0])]
+                    self.sched.hand_over(new.req_id, blocks, str(tid) if tid else None)
+        return self.sched.build_meta()
+
+    @staticmethod
+    def _ends_here(request: Any, new: Any, counts: dict[str, int]) -> bool:
+        """The request ends with this step: its whole prompt is computed in it and it asks
+        for one token (one that ran on could be preempted while its blocks are read)."""
+        prompt = getattr(request, "num_prompt_tokens", None)
+        if prompt is None:
+            prompt = len(getattr(request, "prompt_token_ids", None) or ())
+        return (
+            getattr(request, "max_tokens", None) == 1
+            and len(new.block_ids) == 1  # one KV-cache group, as request_finished pushes
+            and bool(new.block_ids[0])
+            and new.num_computed_tokens + counts.get(new.req_id, 0) >= prompt > 0
+        )
+
     # ---- P and D ---------------------------------------------------------------------------
 
     def request_finished(
@@ -103,10 +137,14 @@ class SchedulerSide:
         if not (self.is_producer and params.get("do_remote_decode")):
             return False, None
         status = str(getattr(request, "status", ""))
-        if not block_ids or status not in ("FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED"):
+        done = status in ("FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED")
+        early = self.sched.handed_over(rid)  # its push may be reading: held, whatever it ended as
+        if not early and (not block_ids or not done):
             return False, None
         tid = params.get("transfer_id")
         held = self.sched.request_finished(rid, [list(block_ids)], str(tid) if tid else None)
+        if not done:
+            return held, None
         return held, {
             "do_remote_prefill": True,
             "do_remote_decode": False,

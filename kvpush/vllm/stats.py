@@ -19,6 +19,7 @@ _DOCS = {
     "pushes_sent": "Requests whose KV this prefiller pushed (kvpush)",
     "pushes_received": "Requests whose KV arrived here by push (kvpush)",
     "push_failures": "Failed kvpush WRITEs and handshakes",
+    "early_hand_overs": "Requests this prefiller pushed at the end of their forward (kvpush)",
 }
 
 

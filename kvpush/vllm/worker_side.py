@@ -4,19 +4,26 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvpush.core.errors import ConfigError
 from kvpush.core.layout import KVLayout, Region
-from kvpush.core.types import StepMeta, WorkerConfig
+from kvpush.core.types import StagedBlocks, StepMeta, WorkerConfig
 from kvpush.core.worker import PushWorker, make_agent_name
 from kvpush.gpu.peer_copy import make_peer_copy
 from kvpush.vllm.config import ConnectorOptions
 
 log = logging.getLogger(__name__)
 
-STAT_KEYS = ("bytes_sent", "bytes_received", "pushes_sent", "pushes_received", "push_failures")
+STAT_KEYS = (
+    "bytes_sent",
+    "bytes_received",
+    "pushes_sent",
+    "pushes_received",
+    "push_failures",
+    "early_hand_overs",
+)
 
 
 @dataclass
@@ -94,6 +101,8 @@ class WorkerSide:
         self._reported: Counter[str] = Counter()
         self._stats_total = 0
         self._meta = StepReport()
+        self._early: list[StagedBlocks] = []  # this step's early hand-overs (StepMeta.early)
+        self._cuda = False  # KV in GPU memory: early hand-overs carry an event
 
     def register(
         self, kv_caches: dict[str, Any], num_blocks: int, block_size: int, mla: bool = False
@@ -118,6 +127,7 @@ class WorkerSide:
             trusted_decoders=self.opts.trusted,
             shared_secret=self.opts.secret,
         )
+        self._cuda = layout.mem_type == "VRAM"
         transport = NixlTransport(make_agent_name(self.engine_id, self.tp_rank))
         hook = make_peer_copy(self.opts.peer_copy, list(kv_caches.values()))
         self.worker = PushWorker(cfg, transport, layout, peer_copy=hook)
@@ -133,7 +143,25 @@ class WorkerSide:
 
     def start_step(self, meta: StepMeta | None) -> None:
         if self.worker is not None and meta is not None:
+            if self._early:  # the last step never reached wait_for_save: its forward is queued
+                self.hand_over()
+            self._early = meta.early
             self.worker.start_step(meta)
+
+    def hand_over(self) -> None:
+        """At the end of the forward (``wait_for_save``): push the prefills this step
+        completes. On GPUs their writes may still run: an event recorded now on the
+        forward's stream goes with them, and the push is queued behind it."""
+        early, self._early = self._early, []
+        if not early or self.worker is None:
+            return
+        after = None
+        if self._cuda:
+            import torch
+
+            after = torch.cuda.Event()
+            after.record()  # on the current stream: the forward's
+        self.worker.hand_over([replace(s, after=after) for s in early])
 
     def collect(self) -> StepReport:
         """This step's finished ids; also stashes what goes back as worker metadata."""
@@ -176,6 +204,7 @@ class WorkerSide:
             "pushes_sent": s["writes_done"],
             "pushes_received": s["recv_done"],
             "push_failures": s["write_failed"] + s["handshake_failed"],
+            "early_hand_overs": s["handed_over"],
         }
         delta = {k: int(v - self._reported[k]) for k, v in now.items()}
         self._reported.update(delta)

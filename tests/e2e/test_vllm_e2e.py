@@ -15,11 +15,13 @@ from kvpush.deploy.client import Reply, request
 from kvpush.deploy.demo import Cluster, make_prompts
 from kvpush.deploy.servers import ServerSpec, VllmServer, metric, wait_healthy
 from kvpush.tiny_model import make_tiny_model
+from tests.conftest import wait_until
 
 pytestmark = pytest.mark.e2e
 
 BLOCK = 128  # vLLM's CPU block size
 BYTES_PER_BLOCK = 2 * 64 * 1024  # tiny model: 2 layers x one 64 KiB block each
+EARLY = "vllm:kvpush_early_hand_overs_total"
 
 
 @dataclass
@@ -71,6 +73,7 @@ def same(a: Reply, b: Reply) -> bool:
 def test_token_identical_through_router(env: dict[str, Any], case: Case) -> None:
     c: Cluster = env["cluster"]
     before = metric(c.d.url, "vllm:kvpush_bytes_received_total")
+    early = metric(c.p.url, EARLY)
     got = case.send(c.router.url, env["model"])
     ref = env["reference"][case.name]
     assert got.ok, got.error
@@ -79,6 +82,8 @@ def test_token_identical_through_router(env: dict[str, Any], case: Case) -> None
     # The KV of every prompt block came by push.
     pushed = metric(c.d.url, "vllm:kvpush_bytes_received_total") - before
     assert pushed == -(-got.prompt_tokens // BLOCK) * BYTES_PER_BLOCK
+    # P pushed it from the end of its forward (hand_over "forward"), not after finishing it.
+    wait_until(lambda: metric(c.p.url, EARLY) == early + 1, 10, what="P's early hand-over")
 
 
 def test_16_concurrent_distinct_prompts(env: dict[str, Any]) -> None:

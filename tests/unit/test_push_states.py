@@ -403,3 +403,52 @@ def test_received_bytes_count_each_group_once() -> None:
     for ids, want in (([[1, 2, 3], [4]], 2 * (3 * 64 + 32 + 3 * 16)), ([[], [5, 6]], 2 * 2 * 32)):
         t = RecvTransfer(RecvRegistration("r", ids, "P", "h", 1))
         assert c._nbytes(t) == want
+
+
+@pytest.mark.parametrize("writer", ["thread", "inline"])
+def test_early_hand_over_is_reported_sent_only_once_the_engine_finished_it(
+    pair_factory: Callable[..., Pair], writer: str
+) -> None:
+    pair = pair_factory(worker={"writer": writer})
+    pair.register("d1", "t1", 4)
+    pair.until(lambda: len(pair.p.worker.producer.pending_regs) == 1)
+    pair.p.prefill("p1", "t1", 4, early=True)
+    pair.until(lambda: recv_ok(pair, "d1"), what="verified receive")
+    # The push is over, but P's engine has not finished the request: the blocks stay its.
+    pair.until(lambda: "p1" in pair.p.worker._kept, what="finished_sending kept back")
+    for _ in range(5):
+        pair.step()
+    assert "sent" not in pair.p_kinds("p1")
+    assert pair.p.sched.handed_over("p1") and pair.p.held_blocks() == 4
+    assert not pair.p.sched.hand_over("p1", [[1]])  # already held: refused, nothing changes
+    pair.p.finish("p1")
+    assert not pair.p.sched.handed_over("p1")
+    pair.until(lambda: "sent" in pair.p_kinds("p1"), what="finished_sending after the finish")
+    pair.settle()
+    assert pair.p.worker.stats["handed_over"] == 1
+    assert pair.p_kinds("p1").count("sent") == 1
+
+
+def test_early_hand_over_finished_before_its_push_ends(pair_factory: Callable[..., Pair]) -> None:
+    pair = pair_factory()
+    pair.p.prefill("p1", "t1", 3, early=True)
+    pair.step()  # handed over; no registration yet
+    pair.p.finish("p1")  # confirmed before anything was sent
+    pair.step()
+    assert pair.p.worker._early == set() and "sent" not in pair.p_kinds("p1")
+    pair.register("d1", "t1", 3)
+    pair.until(lambda: recv_ok(pair, "d1"), what="verified receive")
+    pair.until(lambda: "sent" in pair.p_kinds("p1"), what="finished_sending on P")
+    pair.settle()
+
+
+def test_early_hand_over_past_its_lease_waits_for_the_finish(
+    pair_factory: Callable[..., Pair],
+) -> None:
+    pair = pair_factory(p_kw={"lease_s": 0.2})
+    pair.p.prefill("p1", "t1", 3, early=True)  # no decoder ever registers
+    pair.until(lambda: "p1" in pair.p.worker._kept, what="evicted, kept back")
+    assert "sent" not in pair.p_kinds("p1") and pair.p.held_blocks() == 3
+    pair.p.finish("p1")
+    pair.until(lambda: "sent" in pair.p_kinds("p1"), what="freed after the finish")
+    pair.settle()

@@ -15,7 +15,7 @@ from kvpush.vllm.scheduler_side import SchedulerSide
 def test_options_defaults_env_and_validation() -> None:
     o = ConnectorOptions.parse({}, env={})
     assert o.side_channel_port == 5600 and o.trusted is None and o.secret is None
-    assert o.writer == "inline"
+    assert o.writer == "inline" and o.hand_over == "forward"
     assert ConnectorOptions.parse({"writer": "thread"}, env={}).writer == "thread"
     assert o.lane_slots == 1 << 16
     assert ConnectorOptions.parse({"lane_slots": 0}, env={}).lane_slots == 0
@@ -33,6 +33,7 @@ def test_options_defaults_env_and_validation() -> None:
         ({"descriptor_mode": "fast"}, "descriptor_mode"),
         ({"peer_copy": "maybe"}, "peer_copy"),
         ({"writer": "fiber"}, "writer"),
+        ({"hand_over": "later"}, "hand_over"),
         ({"lane_slots": -1}, "lane_slots"),
         ({"trusted_decoders": "no-port"}, "not host:port"),
         ({"shared_secret": "x"}, "unknown kvpush option"),  # secrets come from the environment
@@ -59,6 +60,7 @@ class FakeRequest:
     kv_transfer_params: dict[str, Any] | None
     prompt_token_ids: list[int] = field(default_factory=lambda: list(range(300)))
     status: str = "FINISHED_LENGTH_CAPPED"
+    max_tokens: int = 1
 
 
 def sides() -> tuple[SchedulerSide, SchedulerSide]:
@@ -122,3 +124,92 @@ def test_decoder_abort_keeps_blocks_until_released() -> None:
 
     d.update(set(), {"r1"}, Meta({"r1"}))
     assert not d.sched.has_pending_push_work()
+
+
+@dataclass
+class NewReq:  # the fields of vLLM's NewRequestData the scheduler side reads
+    req_id: str
+    block_ids: tuple[list[int], ...]
+    num_computed_tokens: int = 0
+
+
+@dataclass
+class SchedOut:
+    scheduled_new_reqs: list[NewReq]
+    num_scheduled_tokens: dict[str, int]
+
+
+def test_prefiller_hands_over_prefills_this_step_completes() -> None:
+    p, _ = sides()
+    params = {"do_remote_decode": True, "transfer_id": "t"}
+    reqs = {
+        "whole": FakeRequest("whole", dict(params)),
+        "cached": FakeRequest("cached", dict(params)),  # a prefix from P's cache
+        "chunk": FakeRequest("chunk", dict(params)),  # chunked: more to come
+        "long": FakeRequest("long", dict(params), max_tokens=8),  # runs on: preemptible
+        "local": FakeRequest("local", None),  # not disaggregated
+    }
+    for r in reqs.values():
+        p.update_state_after_alloc(r, ([1, 2, 3],), 0, block_size=128)
+    out = SchedOut(
+        [
+            NewReq("whole", ([1, 2, 3],)),
+            NewReq("cached", ([4, 5, 6],), num_computed_tokens=256),
+            NewReq("chunk", ([7],)),
+            NewReq("long", ([8, 9, 10],)),
+            NewReq("local", ([11, 12, 13],)),
+        ],
+        {"whole": 300, "cached": 44, "chunk": 128, "long": 300, "local": 300},
+    )
+    meta = p.build_meta(out)
+    assert [(s.request_id, s.block_ids) for s in meta.early] == [
+        ("whole", [[1, 2, 3]]),
+        ("cached", [[4, 5, 6]]),
+    ]
+    assert meta.early[0].transfer_id == "t" and not meta.finished
+    # Finished by vLLM later: held whatever it ended as, and confirmed to the workers.
+    assert p.request_finished(reqs["whole"], [1, 2, 3])[1] is not None
+    reqs["cached"].status = "FINISHED_ABORTED"
+    assert p.request_finished(reqs["cached"], [4, 5, 6]) == (True, None)
+    meta = p.build_meta(SchedOut([], {}))
+    assert meta.confirmed == ["whole", "cached"] and not meta.finished and not meta.early
+    p.update({"whole", "cached"}, set(), None)
+    assert not p.sched.has_pending_push_work()
+    # The others take the usual way; with hand_over "finished" every request does.
+    opts = ConnectorOptions.parse({"hand_over": "finished"}, env={})
+    late = SchedulerSide("P", opts, True, False, 1)
+    late.update_state_after_alloc(reqs["whole"], ([1, 2, 3],), 0, block_size=128)
+    assert not late.build_meta(out).early
+
+
+def test_worker_side_hands_over_at_the_forward_end_or_at_the_latest_at_the_next_step() -> None:
+    from kvpush.core.types import StagedBlocks, StepMeta, WorkerOutput
+    from kvpush.vllm.worker_side import WorkerSide
+
+    handed: list[list[str]] = []
+
+    class FakeWorker:
+        def start_step(self, meta: StepMeta) -> None:
+            pass
+
+        def hand_over(self, early: list[StagedBlocks]) -> None:
+            handed.append([s.request_id for s in early])
+            assert all(s.after is None for s in early)  # CPU caches: the bytes are final
+
+        def get_finished(self) -> WorkerOutput:
+            return WorkerOutput()
+
+    side = WorkerSide("P", ConnectorOptions.parse({}, env={}), 0, 1)
+    side.worker = FakeWorker()  # type: ignore[assignment]
+    meta = StepMeta(early=[StagedBlocks("r1", [[1]])])
+    side.start_step(meta)
+    assert handed == []  # not before the forward ended
+    side.hand_over()  # wait_for_save
+    side.hand_over()
+    assert handed == [["r1"]]
+    side.start_step(StepMeta(early=[StagedBlocks("r2", [[2]])]))
+    side.collect()  # vLLM may defer wait_for_save past this (a draft model's forward)
+    assert handed == [["r1"]]
+    side.start_step(StepMeta())  # ... but it never came: handed over now, once
+    side.hand_over()
+    assert handed == [["r1"], ["r2"]]
