@@ -38,7 +38,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     e.add_argument(
         "--model", default="", help="model dir (default: the tiny model, made if needed)"
     )
-    e.add_argument("--configs", default="kvpush,push,pull", help="pairs to compare")
+    e.add_argument(
+        "--configs", default="kvpush,push,pull", help="pairs to compare (also: kvpush-finished)"
+    )
     e.add_argument("--rounds", type=int, help="rounds over all pairs (default 3, quick 1)")
     e.add_argument("--requests", type=int, help="requests per cell and round (default 8, quick 4)")
     e.add_argument("--sizes", default="60,200,450", help="prompt sizes in tokens")
@@ -83,9 +85,9 @@ def _run(args: argparse.Namespace) -> int:
     if unknown:
         print(f"kvpush bench: unknown part(s) {', '.join(sorted(unknown))}", file=sys.stderr)
         return 2
-    from kvpush.bench.pairs import CONFIGS
+    from kvpush.bench.pairs import LABELS
 
-    bad = set(args.configs.split(",")) - set(CONFIGS)
+    bad = set(args.configs.split(",")) - set(LABELS)
     if "engine" in parts and bad:
         print(f"kvpush bench: unknown config(s) {', '.join(sorted(bad))}", file=sys.stderr)
         return 2
