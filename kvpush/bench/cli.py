@@ -125,20 +125,27 @@ def _run(args: argparse.Namespace) -> int:
     return _output(args, res)
 
 
+def _save(path: str, res: dict[str, Any]) -> None:
+    with open(path, "w") as f:
+        json.dump(res, f, indent=1)
+
+
 def _output(args: argparse.Namespace, res: dict[str, Any]) -> int:
     """Summary table on stdout, then the PNGs, the JSON file and the doc section."""
     from kvpush.bench import report
 
     head = report.headline(res)
     res = {**head, **{k: v for k, v in res.items() if k not in head}}
+    save = bool(args.json) and args.json != args.render
+    if save:  # first: a run of tens of minutes must not be lost to a rendering error
+        _save(args.json, res)
     print(report.table(res))
     plots_dir = args.plots or (os.path.dirname(os.path.abspath(args.json)) if args.json else "")
     if plots_dir:
         res["plots"] = report.plot(res, plots_dir)
         _log("plots: " + ", ".join(res["plots"]))
-    if args.json and args.json != args.render:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=1)
+    if save:
+        _save(args.json, res)
         _log(f"results: {args.json}")
     if args.doc:
         from kvpush.bench.doc import cpu_section

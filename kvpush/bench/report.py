@@ -20,8 +20,13 @@ TARGETS = {
     "step_us_1000": ("<=", 200.0),
     "idle_cpu_percent": ("<", 0.5),
 }
-CONFIG_NAMES = {"kvpush": "kvpush", "push": "vLLM push", "pull": "vLLM pull"}
-COLORS = {"kvpush": "#1f77b4", "push": "#ff7f0e", "pull": "#7f7f7f"}
+CONFIG_NAMES = {
+    "kvpush": "kvpush",
+    "kvpush-finished": "kvpush (hand_over: finished)",
+    "push": "vLLM push",
+    "pull": "vLLM pull",
+}
+COLORS = {"kvpush": "#1f77b4", "kvpush-finished": "#2ca02c", "push": "#ff7f0e", "pull": "#7f7f7f"}
 
 
 def configs_of(eng: dict[str, Any]) -> list[str]:

@@ -1,8 +1,9 @@
 """Main-thread cost of the connector's per-step calls, with 0, 100 and 1,000 requests in flight.
 
 Times what ``KVPushConnector`` runs on the engine's threads every step, in vLLM's order:
-``build_connector_meta`` (scheduler: ``PushScheduler.build_meta``), ``start_load_kv``
-(worker: ``PushWorker.start_step``), ``get_finished`` (``collect``, i.e.
+``build_connector_meta`` (scheduler: ``SchedulerSide.build_meta``, no new requests),
+``start_load_kv`` (worker: ``PushWorker.start_step``), ``wait_for_save`` (the early
+hand-over, nothing to hand over in these steps), ``get_finished`` (``collect``, i.e.
 ``get_finished`` plus the split into finished/failed/released),
 ``build_connector_worker_meta``, ``get_kv_connector_stats``, ``update_connector_output``
 (``SchedulerSide.update``) and ``has_pending_push_work``. The scheduler and worker
@@ -35,6 +36,7 @@ Log = Callable[[str], None]
 CALLS = (
     "build_connector_meta",
     "start_load_kv",
+    "wait_for_save",
     "get_finished",
     "build_connector_worker_meta",
     "get_kv_connector_stats",
@@ -125,8 +127,9 @@ class Role:
         clock = time.perf_counter_ns
         if not per_call:
             c0 = clock()
-            meta = self.sched.sched.build_meta()
+            meta = self.sched.build_meta(None)  # no new requests in these steps
             self.wside.start_step(meta)
+            self.wside.hand_over()
             rep = self.wside.collect()
             wmeta = self.wside.take_meta()
             self.wside.stats_delta()
@@ -135,21 +138,23 @@ class Role:
             t["total"].append((clock() - c0) / 1e3)
             return
         c0 = clock()
-        meta = self.sched.sched.build_meta()
+        meta = self.sched.build_meta(None)
         c1 = clock()
         self.wside.start_step(meta)
         c2 = clock()
-        rep = self.wside.collect()
+        self.wside.hand_over()
         c3 = clock()
-        wmeta = self.wside.take_meta()
+        rep = self.wside.collect()
         c4 = clock()
-        self.wside.stats_delta()
+        wmeta = self.wside.take_meta()
         c5 = clock()
-        self.sched.update(rep.finished_sending, rep.finished_recving, wmeta)
+        self.wside.stats_delta()
         c6 = clock()
-        self.sched.sched.has_pending_push_work()
+        self.sched.update(rep.finished_sending, rep.finished_recving, wmeta)
         c7 = clock()
-        marks = (c0, c1, c2, c3, c4, c5, c6, c7)
+        self.sched.sched.has_pending_push_work()
+        c8 = clock()
+        marks = (c0, c1, c2, c3, c4, c5, c6, c7, c8)
         for name, a, b in zip(CALLS, marks, marks[1:], strict=False):
             t[name].append((b - a) / 1e3)
         p0 = clock()
