@@ -81,7 +81,8 @@ def _engine(eng: dict[str, Any]) -> list[str]:
         "client's, in ms: median (p90).",
         "",
         "- **kvpush**: kvpush's connector on both servers with its defaults (`writer: "
-        "inline`), kvpush's router in front, both legs at once.",
+        "inline`, `hand_over: forward`: P pushes from the end of the prefill's forward), "
+        "kvpush's router in front, both legs at once.",
         "- **vLLM push**: `NixlPushConnector` on both servers, driven by the benchmark's "
         "client: prefill leg (`max_tokens=1`, `do_remote_decode`) and streamed decode leg "
         "(`do_remote_prefill`, `remote_engine_id`, `remote_request_id`, `remote_host`, "
