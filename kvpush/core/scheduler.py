@@ -77,12 +77,15 @@ class PushScheduler:
         if request_id in self._held:
             log.warning("request %s finished twice; ignoring", request_id)
             return True
+        self._hold(request_id, block_ids, now)
+        self._new_finished.append(StagedBlocks(request_id, block_ids, transfer_id, after))
+        return True
+
+    def _hold(self, request_id: str, block_ids: list[list[int]], now: float | None) -> None:
         now = time.monotonic() if now is None else now
         self._leases[request_id] = now + self.config.lease_s
         self._next_deadline = min(self._next_deadline, now + self.config.lease_s)
         self._held[request_id] = sum(len(g) for g in block_ids)
-        self._new_finished.append(StagedBlocks(request_id, block_ids, transfer_id, after))
-        return True
 
     def hand_over(
         self,
@@ -102,8 +105,8 @@ class PushScheduler:
         if request_id in self._held:
             log.warning("request %s handed over twice; ignoring", request_id)
             return False
-        self.request_finished(request_id, block_ids, transfer_id, now)
-        self._new_early.append(self._new_finished.pop())
+        self._hold(request_id, block_ids, now)
+        self._new_early.append(StagedBlocks(request_id, block_ids, transfer_id))
         self._early.add(request_id)
         return True
 

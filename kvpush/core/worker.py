@@ -156,8 +156,7 @@ class PushWorker:
                 self._sent_now.add(rid)
             self._early.discard(rid)
         if self.inline:  # straight to the producer: its copy starts before anything else
-            for staged in meta.finished:
-                self._guard(self.producer.on_finished, staged)
+            self._take_finished(meta.finished)
         for reg in meta.registrations:
             self.consumer.reg_send_inbox.put(("reg", reg, None))
         for rid in meta.cancels:
@@ -165,16 +164,12 @@ class PushWorker:
         for rid in meta.expired:
             self.consumer.reg_send_inbox.put(("cancel", rid, True))
         if not self.inline:
-            for staged in meta.finished:
-                self.producer.finished_blocks_inbox.put(staged)
+            self._take_finished(meta.finished)
         for rid in meta.evictions:
             self.producer.evict_finished_inbox.put(rid)
         for rid, reason in meta.rejected.items():
             self.emit("failed", rid, reason)
-        if self.inline:
-            self._inline_tick()
-        else:
-            self._wake.set()
+        self._kick()
 
     def hand_over(self, early: list[StagedBlocks]) -> None:
         """Push the blocks of ``StepMeta.early`` now: called by the engine once the step's
@@ -185,12 +180,20 @@ class PushWorker:
             return
         self._check_alive()
         self.stats["handed_over"] += len(early)
-        for staged in early:
-            self._early.add(staged.request_id)
+        self._early.update(s.request_id for s in early)
+        self._take_finished(early)
+        self._kick()
+
+    def _take_finished(self, finished: list[StagedBlocks]) -> None:
+        """Finished blocks to the producer: directly (inline) or through its inbox."""
+        for staged in finished:
             if self.inline:
                 self._guard(self.producer.on_finished, staged)
             else:
                 self.producer.finished_blocks_inbox.put(staged)
+
+    def _kick(self) -> None:
+        """New work was handed over: tick now (inline) or wake the writer."""
         if self.inline:
             self._inline_tick()
         else:
