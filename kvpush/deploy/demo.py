@@ -67,7 +67,12 @@ class Cluster:
     """P and D with kvpush plus the router; a context manager that always cleans up."""
 
     def __init__(
-        self, model: str, log_dir: str, router_args: list[str] | None = None, **extra: Any
+        self,
+        model: str,
+        log_dir: str,
+        router_args: list[str] | None = None,
+        max_model_len: int = 512,
+        **extra: Any,
     ) -> None:
         self.side_port = free_port()
         self.p = VllmServer(
@@ -76,6 +81,7 @@ class Cluster:
                 model,
                 kv_config=kvpush_config("kv_producer", "prefill", self.side_port, **extra),
                 core=0,
+                max_model_len=max_model_len,
                 log_dir=log_dir,
             )
         )
@@ -85,6 +91,7 @@ class Cluster:
                 model,
                 kv_config=kvpush_config("kv_consumer", "decode", free_port(), **extra),
                 core=1,
+                max_model_len=max_model_len,
                 log_dir=log_dir,
             )
         )

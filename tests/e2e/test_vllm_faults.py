@@ -21,6 +21,7 @@ LEASE = WATCHDOG = 4.0
 HANDSHAKE = 3.0
 ROUTER_TIMEOUT = 20.0
 PROMPT = [(i * 7919) % 900 + 20 for i in range(300)]
+LONG = 1700  # tokens D decodes in the request it is killed in (the model allows 2048)
 
 
 @pytest.fixture(scope="module")
@@ -31,6 +32,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluster,
         model,
         str(work),
         router_args=["--timeout", str(ROUTER_TIMEOUT)],
+        max_model_len=2048,
         lease_s=LEASE,
         watchdog_s=WATCHDOG,
         handshake_timeout_s=HANDSHAKE,
@@ -65,11 +67,12 @@ def test_decoder_killed_mid_request(cluster: tuple[Cluster, str]) -> None:
     c, model = cluster
     assert request(c.router.url, model, PROMPT, max_tokens=4).ok  # warm: both handshakes done
     th, out = in_background(
-        lambda: request(c.router.url, model, PROMPT, max_tokens=400, stream=True, timeout=60)
+        lambda: request(c.router.url, model, PROMPT, max_tokens=LONG, stream=True, timeout=60)
     )
     deadline = time.monotonic() + 30
-    # D holds the request (waiting for P's KV, ~1 s here, or decoding): kill it then. The
-    # tiny model decodes its ~200 tokens in tens of ms, too short a window to aim at.
+    # D holds the request (waiting for P's KV, a few ms since P pushes from the end of its
+    # forward, then decoding LONG tokens): kill it then. ~200 tokens, as a 512-token
+    # context allowed, took the tiny model only tens of ms: a window the poll could miss.
     while (
         metric(c.d.url, "vllm:num_requests_running") + metric(c.d.url, "vllm:num_requests_waiting")
         < 1
