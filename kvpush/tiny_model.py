@@ -39,6 +39,21 @@ MODEL_SHAPE: dict[str, Any] = {
     "tie_word_embeddings": False,
 }
 
+# A model of a realistic shape for GPU benchmarks (about 0.8 B parameters, bf16, KV of
+# 64 KiB per token), with the same tokenizer; random weights too.
+BENCH_SHAPE: dict[str, Any] = {
+    "hidden_size": 2048,
+    "intermediate_size": 5632,
+    "num_hidden_layers": 16,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "max_position_embeddings": 16384,
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": False,
+}
+SHAPES = {"tiny": MODEL_SHAPE, "bench": BENCH_SHAPE}
+
 # Role markers as plain text, so any OpenAI chat request renders without special tokens.
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -81,7 +96,7 @@ def training_corpus() -> list[str]:
     return lines
 
 
-def build_tokenizer() -> Any:
+def build_tokenizer(max_length: int = MODEL_SHAPE["max_position_embeddings"]) -> Any:
     """Byte-level BPE trained on `training_corpus()`, as a PreTrainedTokenizerFast."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
@@ -108,43 +123,51 @@ def build_tokenizer() -> Any:
         eos_token=EOS,
         pad_token=PAD,
         chat_template=CHAT_TEMPLATE,
-        model_max_length=MODEL_SHAPE["max_position_embeddings"],
+        model_max_length=max_length,
     )
 
 
-def _stamp(seed: int) -> dict[str, Any]:
-    return {"recipe": RECIPE_VERSION, "seed": seed, "vocab_size": VOCAB_SIZE, **MODEL_SHAPE}
+def _stamp(seed: int, shape: str = "tiny") -> dict[str, Any]:
+    out = {"recipe": RECIPE_VERSION, "seed": seed, "vocab_size": VOCAB_SIZE, **SHAPES[shape]}
+    return out if shape == "tiny" else {**out, "shape": shape}
 
 
-def is_built(out_dir: str, seed: int = 0) -> bool:
+def is_built(out_dir: str, seed: int = 0, shape: str = "tiny") -> bool:
     """True when `out_dir` holds a complete model made by this recipe with this seed."""
     try:
         with open(os.path.join(out_dir, STAMP_FILE)) as f:
-            return bool(json.load(f) == _stamp(seed))
+            return bool(json.load(f) == _stamp(seed, shape))
     except (OSError, ValueError):
         return False
 
 
-def make_tiny_model(out_dir: str, seed: int = 0) -> str:
-    """Write the tiny model and tokenizer into `out_dir` (kept if already built); return it."""
+def make_tiny_model(out_dir: str, seed: int = 0, shape: str = "tiny") -> str:
+    """Write the model (``shape``: tiny, or bench for GPUs) and its tokenizer into `out_dir`
+    (kept if already built); return it."""
+    if shape not in SHAPES:
+        raise ValueError(f"unknown model shape {shape!r}; known: {', '.join(SHAPES)}")
     out_dir = os.path.abspath(out_dir)
-    if is_built(out_dir, seed):
+    if is_built(out_dir, seed, shape):
         return out_dir
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    tokenizer = build_tokenizer()
+    tokenizer = build_tokenizer(SHAPES[shape]["max_position_embeddings"])
     config = LlamaConfig(
         vocab_size=len(tokenizer),
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-        dtype="float32",
-        **MODEL_SHAPE,
+        dtype="float32" if shape == "tiny" else "bfloat16",
+        **SHAPES[shape],
     )
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).float().eval()
+    if shape == "tiny":
+        model = LlamaForCausalLM(config).float().eval()
+    else:  # 0.8 B random weights: initialise them on the GPU when there is one
+        with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+            model = LlamaForCausalLM(config).bfloat16().eval()
 
     os.makedirs(out_dir, exist_ok=True)
     # Build beside the target and move files in, writing the stamp last: an interrupted
@@ -158,7 +181,7 @@ def make_tiny_model(out_dir: str, seed: int = 0) -> str:
         for name in os.listdir(tmp):
             shutil.move(os.path.join(tmp, name), os.path.join(out_dir, name))
     with open(stale, "w") as f:
-        json.dump(_stamp(seed), f, indent=1, sort_keys=True)
+        json.dump(_stamp(seed, shape), f, indent=1, sort_keys=True)
     return out_dir
 
 
@@ -166,9 +189,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("tiny-model", help="write the tiny random-weight test model to DIR")
     p.add_argument("dir", metavar="DIR")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
     p.set_defaults(func=_run)
 
 
 def _run(args: argparse.Namespace) -> int:
-    print(make_tiny_model(args.dir, args.seed))
+    print(make_tiny_model(args.dir, args.seed, args.shape))
     return 0

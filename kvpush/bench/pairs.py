@@ -38,6 +38,7 @@ from kvpush.deploy.servers import (
     RouterProc,
     ServerSpec,
     VllmServer,
+    default_device,
     free_port,
     kvpush_config,
     wait_healthy,
@@ -45,6 +46,7 @@ from kvpush.deploy.servers import (
 
 CONFIGS = ("kvpush", "push", "pull")
 LABELS = {
+    "plain": "one plain vLLM server (no disaggregation)",
     "kvpush": "kvpush (router, both legs at once)",
     "kvpush-finished": "kvpush, pushing after vLLM finished the request (hand_over: finished)",
     "push": "vLLM NixlPushConnector (client, both legs at once)",
@@ -61,6 +63,8 @@ class Sample:
     total_s: float = 0.0
     prompt_tokens: int = 0
     error: str = ""
+    request_id: str = ""  # the X-Request-Id the answer carried (kvpush: the transfer id)
+    sent_at: float = 0.0  # wall clock at send (lines the sample up with stage traces)
 
 
 class Pair(ABC):
@@ -68,9 +72,10 @@ class Pair(ABC):
 
     name: str = ""
 
-    def __init__(self, model: str, log_dir: str) -> None:
+    def __init__(self, model: str, log_dir: str, **spec: Any) -> None:
         self.model = model
         self.log_dir = log_dir
+        self.spec = spec  # further ServerSpec fields for every server (GPU settings)
         self.procs: list[Proc] = []
 
     @abstractmethod
@@ -107,16 +112,24 @@ class Pair(ABC):
         """A prefiller and a decoder with one of vLLM's own NIXL connectors (``<name>-prefill``
         on core 0, ``<name>-decode`` on core 1), P's side channel on ``p_side_port``."""
         prefill, decode = f"{self.name}-prefill", f"{self.name}-decode"
-        self.p = self._server(
-            prefill, _in_tree(connector, "kv_producer", prefill), 0, self._nixl_env(p_side_port)
-        )
-        self.d = self._server(
-            decode, _in_tree(connector, "kv_consumer", decode), 1, self._nixl_env(free_port())
-        )
+        p_kv = _in_tree(connector, "kv_producer", prefill, self.device)
+        self.p = self._server(prefill, p_kv, 0, self._nixl_env(p_side_port))
+        d_kv = _in_tree(connector, "kv_consumer", decode, self.device)
+        self.d = self._server(decode, d_kv, 1, self._nixl_env(free_port()))
         return [self.p, self.d]
 
-    def _server(self, name: str, kv: dict[str, Any], core: int, env: dict[str, str]) -> VllmServer:
-        spec = ServerSpec(name, self.model, kv_config=kv, core=core, env=env, log_dir=self.log_dir)
+    @property
+    def device(self) -> str:
+        return str(self.spec.get("device") or default_device())
+
+    def _server(
+        self, name: str, kv: dict[str, Any] | None, core: int, env: dict[str, str]
+    ) -> VllmServer:
+        extra = dict(self.spec)
+        env = {**extra.pop("env", {}), **env}
+        spec = ServerSpec(
+            name, self.model, kv_config=kv, core=core, env=env, log_dir=self.log_dir, **extra
+        )
         return VllmServer(spec)
 
 
@@ -141,7 +154,21 @@ def _stream(
         extra=body,
     )
     ok = r.ok and r.ttft_s > 0
-    return Sample(ok, r.ttft_s, r.total_s, r.prompt_tokens, r.error or ("" if ok else "no token"))
+    error = r.error or ("" if ok else "no token")
+    return Sample(ok, r.ttft_s, r.total_s, r.prompt_tokens, error, r.request_id, r.sent_at)
+
+
+class PlainPair(Pair):
+    """The reference: one vLLM server without a connector, prefill and decode in one."""
+
+    name = "plain"
+
+    def _launch(self) -> list[Proc]:
+        self.server = self._server("plain", None, 0, {})
+        return [self.server]
+
+    def send(self, prompt: list[int], max_tokens: int, timeout: float) -> Sample:
+        return _stream(self.server.url, self.model, prompt, max_tokens, timeout)
 
 
 class KvpushPair(Pair):
@@ -150,18 +177,22 @@ class KvpushPair(Pair):
 
     def _launch(self) -> list[Proc]:
         side, opts = free_port(), self.options
-        p = self._server("prefill", kvpush_config("kv_producer", "prefill", side, **opts), 0, {})
+        p_config = kvpush_config("kv_producer", "prefill", side, **opts)
+        self.p = self._server("prefill", p_config, 0, {})
         d_config = kvpush_config("kv_consumer", "decode", free_port(), **opts)
-        d = self._server("decode", d_config, 1, {})
-        self.router = RouterProc(p.url, d.url, f"127.0.0.1:{side}", self.log_dir)
-        return [p, d, self.router]
+        self.d = self._server("decode", d_config, 1, {})
+        self.router = RouterProc(self.p.url, self.d.url, f"127.0.0.1:{side}", self.log_dir)
+        return [self.p, self.d, self.router]
 
     def send(self, prompt: list[int], max_tokens: int, timeout: float) -> Sample:
         return _stream(self.router.url, self.model, prompt, max_tokens, timeout)
 
 
-def _in_tree(connector: str, role: str, engine_id: str) -> dict[str, Any]:
-    return {"kv_connector": connector, "kv_role": role, "engine_id": engine_id}
+def _in_tree(connector: str, role: str, engine_id: str, device: str) -> dict[str, Any]:
+    kv = {"kv_connector": connector, "kv_role": role, "engine_id": engine_id}
+    if device == "cuda":
+        kv["kv_buffer_device"] = "cuda"  # vLLM's NIXL connectors register the GPU KV itself
+    return kv
 
 
 class InTreePushPair(Pair):
@@ -272,8 +303,10 @@ class KvpushFinishedPair(KvpushPair):
     options = {"hand_over": "finished"}
 
 
-def make_pair(name: str, model: str, log_dir: str) -> Pair:
+def make_pair(name: str, model: str, log_dir: str, **spec: Any) -> Pair:
+    """A pair by configuration name; ``spec``: further ServerSpec fields for its servers."""
     kinds: dict[str, type[Pair]] = {
+        "plain": PlainPair,
         "kvpush": KvpushPair,
         "kvpush-finished": KvpushFinishedPair,
         "push": InTreePushPair,
@@ -281,4 +314,4 @@ def make_pair(name: str, model: str, log_dir: str) -> Pair:
     }
     if name not in kinds:
         raise ValueError(f"unknown configuration {name!r}; known: {', '.join(kinds)}")
-    return kinds[name](model, log_dir)
+    return kinds[name](model, log_dir, **spec)

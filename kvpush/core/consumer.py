@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import time
 from collections import defaultdict
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -45,6 +46,7 @@ class RecvTransfer:
     aborted: bool = False
     lanes: list[int] = field(default_factory=list)  # our lane's words reserved for sources
     laned: bool = False  # every source got a word: the receive ends by a memory read
+    sent_at: float = 0.0  # when PUSH_REG went to every P rank (monotonic)
 
     @property
     def p_agent(self) -> str | None:
@@ -153,6 +155,7 @@ class Consumer:
         if t.sources and len(t.lanes) == len(t.sources):
             t.laned = True
             self.laned += 1
+        t.sent_at = time.monotonic()
         transition(t, State.AWAITING, t.name, f"registered with {len(t.agents)} P ranks")
 
     def _with_lane(self, t: RecvTransfer, msg: wire.PushReg, peer: Peer, src: bool) -> wire.PushReg:
@@ -350,9 +353,13 @@ class Consumer:
         return True
 
     def _end(self, t: RecvTransfer, state: State, kind: str, reason: str = "") -> None:
+        was = t.state
         transition(t, state, t.name, reason)
         if state is State.FAILED or state is State.EXPIRED:
             log.warning("receive %s ended %s: %s", t.name, state.value, reason)
+            self.w.stats["recv_failed" if state is State.FAILED else "recv_expired"] += 1
+        elif state is State.DONE and was is State.AWAITING and t.sent_at:
+            self.w.observe("kv_wait_seconds", time.monotonic() - t.sent_at)
         if self.recvs.pop(t.rid, None) is t and t.laned:
             self.laned -= 1
         if self.w.lane is not None:

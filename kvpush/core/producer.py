@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kvpush.core import wire
+from kvpush.core import trace, wire
 from kvpush.core.errors import HandshakeError, LayoutError, PeerGoneError, TransportError
 from kvpush.core.ids import Key, MatchTable
 from kvpush.core.layout import as_ids, block_indices
@@ -80,6 +80,7 @@ class PRequest:
     legs: dict[int, PushTransfer] = field(default_factory=dict)
     resolved: int = 0
     ended: bool = False  # evicted: no more legs will be started
+    since: float = field(default_factory=time.monotonic)  # handed to the producer
 
     def waiting(self) -> bool:
         return not self.ended and (self.expected is None or len(self.legs) < self.expected)
@@ -175,6 +176,8 @@ class Producer:
             # A WRITE in flight ends by its outcome; its source blocks stay held until then.
             if leg.state not in ENDED and leg.state is not State.WRITING:
                 transition(leg, State.EXPIRED, leg.name, "lease expired")
+                if leg.reg is not None:
+                    self.w.stats["lease_expired"] += 1
                 self._fail_to_d(leg, "lease expired on the prefiller")
                 self._finish(leg)
         self._maybe_done(preq)
@@ -201,6 +204,8 @@ class Producer:
     # ---- notifications from D ------------------------------------------------------------
 
     def on_push_reg(self, sender: str, reg: wire.PushReg) -> None:
+        if trace.ON:
+            trace.mark("p_producer.reg", reg.transfer_id, reg.request_id)
         dkey = (sender, reg.request_id)
         key = Key(reg.request_id, reg.transfer_id)
         if dkey in self.tombstones:
@@ -344,6 +349,8 @@ class Producer:
             return None
         pend.armed = None
         self.w.stats["copy_early"] += 1
+        if trace.ON:
+            trace.mark("p_producer.launch", staged.transfer_id, staged.request_id)
         return Launched(armed, ids, nbytes, signalled)
 
     def _attach(self, preq: PRequest, pend: PendingReg, early: Launched | None = None) -> None:
@@ -553,7 +560,14 @@ class Producer:
             self._fail(t, peer, f"completion could not be sent: {e}")
             return
         transition(t, State.DONE, t.name)
+        self.w.stats["copies_done"] += 1
+        self._observe(t)
         self._finish(t)
+
+    def _observe(self, t: PushTransfer) -> None:
+        """push_seconds: from the blocks' hand-over to P seeing the push end."""
+        if t.preq is not None:
+            self.w.observe("push_seconds", time.monotonic() - t.preq.since)
 
     def _plan_staged(
         self,
@@ -591,6 +605,7 @@ class Producer:
             if state is WriteState.DONE:
                 transition(t, State.DONE, t.name)
                 self.w.stats[f"{what}_done"] += 1
+                self._observe(t)
                 self._finish(t)
             else:
                 self.w.stats["write_failed" if what == "writes" else "copy_failed"] += 1

@@ -7,6 +7,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvpush.core import trace
 from kvpush.core.errors import ConfigError
 from kvpush.core.lane import MAX_SLOTS
 
@@ -36,6 +37,8 @@ def transition(obj: object, new: State, name: str, why: str = "") -> None:
     """Set ``obj.state`` and log the change."""
     old = getattr(obj, "state", None)
     obj.state = new  # type: ignore[attr-defined]
+    if trace.ON:
+        trace.mark(f"{type(obj).__name__}.{new.value}", name)
     if log.isEnabledFor(logging.DEBUG):
         log.debug("transfer %s: %s -> %s %s", name, getattr(old, "value", old), new.value, why)
 

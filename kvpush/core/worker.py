@@ -41,6 +41,7 @@ from kvpush.core.types import StagedBlocks, StepMeta, WorkerConfig, WorkerOutput
 log = logging.getLogger(__name__)
 
 PeerKey = tuple[str, int]
+MAX_OBSERVED = 10_000
 LANE_TICK_S = 1e-3  # inline, only lane words awaited: the full tick at most this often
 
 
@@ -82,6 +83,8 @@ class PushWorker:
         self.transport = transport
         self.layout = layout
         self.stats: Counter[str] = Counter()
+        # Latencies (seconds) by name, until the engine takes them (take_observations).
+        self.observations: dict[str, list[float]] = {}
         transport.register(layout)
         self.staging = staging  # optional gather / one WRITE / scatter path (core/staging.py)
         if staging is not None:
@@ -255,6 +258,20 @@ class PushWorker:
             raise KVPushError("kvpush writer thread is not running")
 
     # ---- shared services for producer and consumer (writer thread) -------------------------
+
+    def observe(self, name: str, seconds: float) -> None:
+        """Record one latency; an engine that never takes them keeps the last MAX_OBSERVED."""
+        got = self.observations.setdefault(name, [])
+        got.append(seconds)
+        if len(got) > MAX_OBSERVED:
+            del got[: len(got) - MAX_OBSERVED]
+
+    def take_observations(self) -> dict[str, list[float]]:
+        """The latencies recorded since the last call (any thread; the dict is swapped)."""
+        if not self.observations:
+            return {}
+        out, self.observations = self.observations, {}
+        return out
 
     def emit(self, kind: str, rid: str, reason: str = "") -> None:
         self._results.put((kind, rid, reason))

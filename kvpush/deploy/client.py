@@ -20,6 +20,8 @@ class Reply:
     total_s: float = 0.0
     status: int = 0
     error: str = ""
+    request_id: str = ""  # the answer's X-Request-Id (the router's transfer id)
+    sent_at: float = 0.0  # wall clock when the request was sent (to line up traces)
 
 
 def request(
@@ -55,11 +57,15 @@ def request(
         json.dumps(body).encode(),
         {"Content-Type": "application/json", **(headers or {})},
     )
+    sent_at = time.time()
     start = time.perf_counter()
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
+            rid = resp.headers.get("X-Request-Id", "")
             if stream:
-                return _read_stream(resp, chat, start)
+                reply = _read_stream(resp, chat, start)
+                reply.request_id, reply.sent_at = rid, sent_at
+                return reply
             data = json.loads(resp.read())
     except urllib.error.HTTPError as e:
         return Reply(
@@ -81,6 +87,8 @@ def request(
         total,
         total,
         200,
+        request_id=rid,
+        sent_at=sent_at,
     )
 
 

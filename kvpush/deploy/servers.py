@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
@@ -21,6 +22,17 @@ from pathlib import Path
 from typing import Any
 
 HEALTH_TIMEOUT_S = 240.0
+ENV_DEVICE = "KVPUSH_DEVICE"  # "cpu" or "cuda": which vLLM build the servers run
+
+
+def default_device() -> str:
+    """``$KVPUSH_DEVICE``, else ``cuda`` where an NVIDIA driver is installed, else ``cpu``."""
+    dev = os.environ.get(ENV_DEVICE, "")
+    if dev:
+        if dev not in ("cpu", "cuda"):
+            raise ValueError(f"{ENV_DEVICE}={dev!r}: expected 'cpu' or 'cuda'")
+        return dev
+    return "cuda" if shutil.which("nvidia-smi") else "cpu"
 
 
 def free_port() -> int:
@@ -79,6 +91,48 @@ class ServerSpec:
     max_model_len: int = 512
     max_num_seqs: int = 4
     log_dir: str = "."
+    device: str = ""  # "cpu" or "cuda"; empty: default_device()
+    # GPU only. Several servers share one GPU: each takes this share at start-up (vLLM
+    # checks it against free memory), and kv_cache_bytes, when set, fixes its KV cache
+    # instead of profiling (servers started at once would see each other's memory).
+    gpu_memory_utilization: float = 0.1
+    kv_cache_bytes: int = 0
+    cuda_device: str = ""  # CUDA_VISIBLE_DEVICES for this server (empty: inherited)
+    max_num_batched_tokens: int = 0  # 0: vLLM's default
+    # Eager (no CUDA graphs, no torch.compile): the CPU build needs it; on GPUs the
+    # benchmark can turn CUDA graphs on (cuda_graphs) for every server alike.
+    cuda_graphs: bool = False
+    extra_args: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.device = self.device or default_device()
+
+    def args(self) -> list[str]:
+        """vLLM server flags for this spec's device."""
+        out = ["--dtype", "float32" if self.device == "cpu" else "bfloat16"]
+        if self.device == "cuda":
+            out += ["--gpu-memory-utilization", str(self.gpu_memory_utilization)]
+            if self.kv_cache_bytes:
+                out += ["--kv-cache-memory-bytes", str(self.kv_cache_bytes)]
+        if self.device == "cuda" and self.cuda_graphs:
+            # Full-graph decode steps without torch.compile (no compiler needed).
+            cc = {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY", "max_cudagraph_capture_size": 32}
+            out += ["--compilation-config", json.dumps(cc)]
+        else:
+            out.append("--enforce-eager")
+        if self.max_num_batched_tokens:
+            out += ["--max-num-batched-tokens", str(self.max_num_batched_tokens)]
+        return out + list(self.extra_args)
+
+    def environ(self) -> dict[str, str]:
+        """The server's environment: ours, with the device's settings and the spec's own."""
+        env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+        if self.device == "cpu":
+            env["VLLM_CPU_KVCACHE_SPACE"] = "1"
+            env["VLLM_CPU_OMP_THREADS_BIND"] = str(self.core)
+        elif self.cuda_device:
+            env["CUDA_VISIBLE_DEVICES"] = self.cuda_device
+        return {**env, **self.env}
 
 
 class Proc:
@@ -139,13 +193,11 @@ class VllmServer(Proc):
             "vllm.entrypoints.openai.api_server",
             "--model",
             spec.model,
-            "--dtype",
-            "float32",
+            *spec.args(),
             "--max-model-len",
             str(spec.max_model_len),
             "--max-num-seqs",
             str(spec.max_num_seqs),
-            "--enforce-eager",
             "--no-enable-prefix-caching",
             "--host",
             "127.0.0.1",
@@ -154,13 +206,7 @@ class VllmServer(Proc):
         ]
         if spec.kv_config is not None:
             argv += ["--kv-transfer-config", json.dumps(spec.kv_config)]
-        env = {
-            **os.environ,
-            "HF_HUB_OFFLINE": "1",
-            "VLLM_CPU_KVCACHE_SPACE": "1",
-            "VLLM_CPU_OMP_THREADS_BIND": str(spec.core),
-            **spec.env,
-        }
+        env = spec.environ()
         log_dir = Path(spec.log_dir)
         log_dir.mkdir(parents=True, exist_ok=True)
         super().__init__(spec.name, argv, env, log_dir / f"{spec.name}.log")

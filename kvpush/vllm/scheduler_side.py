@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from kvpush.core import trace
 from kvpush.core.scheduler import PushScheduler, SchedulerConfig
 from kvpush.core.types import RecvRegistration, StepMeta, WorkerOutput
 from kvpush.vllm.config import ConnectorOptions
@@ -45,6 +46,8 @@ class SchedulerSide:
         self.sched = PushScheduler(SchedulerConfig(opts.lease_s, opts.watchdog_s))
         # P requests allocated in the step being scheduled: build_meta may hand them over.
         self._new_p: dict[str, Any] = {}
+        self._traced: dict[str, str | None] = {}  # D, tracing: request id -> transfer id
+        self._forwarded: dict[str, str | None] = {}  # D, tracing: first forward scheduled
 
     # ---- D ---------------------------------------------------------------------------------
 
@@ -55,6 +58,8 @@ class SchedulerSide:
         if not (self.is_consumer and params.get("do_remote_prefill")) or params.get(_REGISTERED):
             return 0, False
         count = len(getattr(request, "prompt_token_ids", None) or ()) - num_computed_tokens
+        if trace.ON:
+            trace.mark("d_sched.matched", params.get("transfer_id"), request.request_id)
         return (count, True) if count > 0 else (0, False)
 
     def update_state_after_alloc(
@@ -65,8 +70,11 @@ class SchedulerSide:
         block_size: int,
     ) -> None:
         params = _params(request)
-        if self.is_producer and params.get("do_remote_decode") and self.opts.hand_over == "forward":
-            self._new_p[request.request_id] = request
+        if self.is_producer and params.get("do_remote_decode"):
+            if trace.ON:
+                trace.mark("p_sched.alloc", params.get("transfer_id"), request.request_id)
+            if self.opts.hand_over == "forward":
+                self._new_p[request.request_id] = request
         if (
             num_external_tokens <= 0
             or not params.get("do_remote_prefill")
@@ -93,6 +101,9 @@ class SchedulerSide:
             self.sched.reject(rid, f"kv_transfer_params lack the prefiller's side channel: {e!r}")
             return
         self.sched.add_registration(reg)
+        if trace.ON:
+            trace.mark("d_sched.alloc", reg.transfer_id, rid)
+            self._traced[rid] = reg.transfer_id
 
     # ---- P --------------------------------------------------------------------------------
 
@@ -108,7 +119,19 @@ class SchedulerSide:
                     tid = _params(request).get("transfer_id")
                     blocks = [list(new.block_ids[0])]
                     self.sched.hand_over(new.req_id, blocks, str(tid) if tid else None)
+                    if trace.ON:
+                        trace.mark("p_sched.hand_over", tid, new.req_id)
+        if trace.ON and self._traced:
+            self._trace_forward(scheduler_output)
         return self.sched.build_meta()
+
+    def _trace_forward(self, scheduler_output: Any) -> None:
+        """D: the step that computes a request whose KV was pushed (its first token)."""
+        for new in getattr(scheduler_output, "scheduled_new_reqs", None) or ():
+            if new.req_id in self._traced:
+                tid = self._traced.pop(new.req_id)
+                trace.mark("d_sched.forward", tid, new.req_id)
+                self._forwarded[new.req_id] = tid
 
     @staticmethod
     def _ends_here(request: Any, new: Any, counts: dict[str, int]) -> bool:
@@ -131,6 +154,8 @@ class SchedulerSide:
     ) -> tuple[bool, dict[str, Any] | None]:
         params = _params(request)
         rid = request.request_id
+        if trace.ON:
+            trace.mark("sched.finished", params.get("transfer_id"), rid)
         if self.is_consumer and params.get("do_remote_prefill"):
             # Still waiting for P's WRITE? Then keep the blocks until P cannot touch them.
             return self.sched.abort(rid), None
@@ -158,8 +183,15 @@ class SchedulerSide:
 
     def update(self, sending: set[str], recving: set[str], worker_meta: Any) -> None:
         """Apply one step's aggregated worker output."""
+        if self._forwarded:  # tracing: this step's output holds their first tokens
+            for rid, tid in self._forwarded.items():
+                trace.mark("d_sched.output", tid, rid)
+            self._forwarded.clear()
         if not sending and not recving and worker_meta is None:
             return  # most steps: nothing happened
+        if trace.ON:
+            for rid in recving:
+                trace.mark("d_sched.recvd", None, rid)
         released = set(getattr(worker_meta, "released", ()) or ())
         failed = dict(getattr(worker_meta, "failed", {}) or {})
         out = WorkerOutput(

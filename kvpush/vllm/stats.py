@@ -1,4 +1,8 @@
-"""kvpush's transfer counters in vLLM's stats pipeline and on its /metrics page."""
+"""kvpush's transfer counters and latencies in vLLM's stats pipeline and on /metrics.
+
+The worker side reports deltas keyed as in ``worker_side.COUNTERS`` ("name" or
+"name:label value") and lists of seconds for ``worker_side.HISTOGRAMS``.
+"""
 
 from __future__ import annotations
 
@@ -9,23 +13,28 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
     KVConnectorStats,
 )
-from vllm.v1.metrics.utils import create_metric_per_engine
 
-from kvpush.vllm.worker_side import STAT_KEYS
+from kvpush.vllm.worker_side import COUNTERS, HISTOGRAMS
 
 _DOCS = {
     "bytes_sent": "KV bytes this prefiller pushed into decoders (kvpush)",
     "bytes_received": "KV bytes prefillers pushed into this decoder (kvpush)",
-    "pushes_sent": "Requests whose KV this prefiller pushed (kvpush)",
+    "pushes_sent": "Requests whose KV this prefiller pushed, by path: copy or nixl (kvpush)",
     "pushes_received": "Requests whose KV arrived here by push (kvpush)",
-    "push_failures": "Failed kvpush WRITEs and handshakes",
+    "push_failures": "Failed pushes and receives, by cause (kvpush)",
     "early_hand_overs": "Requests this prefiller pushed at the end of their forward (kvpush)",
 }
+_LABEL = {"pushes_sent": "path", "push_failures": "cause"}
+_HIST_DOCS = {
+    "push_seconds": "Prefiller: from a request's blocks handed over to its push done (kvpush)",
+    "kv_wait_seconds": "Decoder: from its registration sent to the KV in its blocks (kvpush)",
+}
+_BUCKETS = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
 
 
 @dataclass
 class KVPushStats(KVConnectorStats):  # type: ignore[misc]
-    """Counter deltas: aggregated by summing."""
+    """Counter deltas (summed) and latency lists (joined)."""
 
     def reset(self) -> None:
         self.data = dict[str, Any]()
@@ -33,11 +42,22 @@ class KVPushStats(KVConnectorStats):  # type: ignore[misc]
     def aggregate(self, other: KVConnectorStats) -> KVPushStats:
         merged = dict(self.data)
         for key, value in other.data.items():
-            merged[key] = merged.get(key, 0) + value
+            if isinstance(value, list):
+                merged[key] = [*merged.get(key, []), *value]
+            else:
+                merged[key] = merged.get(key, 0) + value
         return KVPushStats(data=merged)
 
     def reduce(self) -> dict[str, int | float]:
-        return {k: self.data.get(k, 0) for k in STAT_KEYS}
+        out: dict[str, int | float] = {}
+        for key in COUNTERS:
+            name = key.split(":", 1)[0]
+            out[name] = out.get(name, 0) + self.data.get(key, 0)
+        for key in HISTOGRAMS:
+            got = self.data.get(key) or []
+            if got:
+                out[f"{key}_avg"] = sum(got) / len(got)
+        return out
 
     def is_empty(self) -> bool:
         return not any(self.data.values())
@@ -48,17 +68,45 @@ class KVPushPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
         self, vllm_config: Any, metric_types: Any, labelnames: Any, per_engine_labelvalues: Any
     ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-        self.counters: dict[str, Any] = {
-            key: create_metric_per_engine(
-                self._counter_cls(
-                    name=f"vllm:kvpush_{key}", documentation=doc, labelnames=labelnames
-                ),
-                per_engine_labelvalues,
+        self._families: dict[str, Any] = {
+            name: self._counter_cls(
+                name=f"vllm:kvpush_{name}",
+                documentation=doc,
+                labelnames=[*labelnames, *([_LABEL[name]] if name in _LABEL else [])],
             )
-            for key, doc in _DOCS.items()
+            for name, doc in _DOCS.items()
         }
+        hist: Any = self._histogram_cls
+        self._hists: dict[str, Any] = {
+            name: hist(
+                name=f"vllm:kvpush_{name}",
+                documentation=doc,
+                labelnames=labelnames,
+                buckets=_BUCKETS,
+            )
+            for name, doc in _HIST_DOCS.items()
+        }
+        self._children: dict[tuple[str, int], Any] = {}
+        # Every series exists from the start (at 0), so a scrape sees them all.
+        for engine in per_engine_labelvalues:
+            for key in COUNTERS:
+                self._child(key, engine)
+
+    def _child(self, key: str, engine: int) -> Any:
+        child = self._children.get((key, engine))
+        if child is None:
+            name, _, label = key.partition(":")
+            values = list(self.per_engine_labelvalues[engine])
+            family = self._families[name] if name in _DOCS else self._hists[name]
+            child = family.labels(*values, *([label] if label else []))
+            self._children[(key, engine)] = child
+        return child
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for key, value in transfer_stats_data.items():
-            if key in self.counters and value:
-                self.counters[key][engine_idx].inc(value)
+            if key in HISTOGRAMS:
+                child = self._child(key, engine_idx)
+                for seconds in value:
+                    child.observe(seconds)
+            elif key in COUNTERS and value:
+                self._child(key, engine_idx).inc(value)

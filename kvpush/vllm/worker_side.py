@@ -7,6 +7,7 @@ from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from kvpush.core import trace
 from kvpush.core.errors import ConfigError
 from kvpush.core.layout import KVLayout, Region
 from kvpush.core.types import StagedBlocks, StepMeta, WorkerConfig
@@ -16,14 +17,27 @@ from kvpush.vllm.config import ConnectorOptions
 
 log = logging.getLogger(__name__)
 
-STAT_KEYS = (
-    "bytes_sent",
-    "bytes_received",
-    "pushes_sent",
-    "pushes_received",
-    "push_failures",
-    "early_hand_overs",
-)
+# What the connector reports to vLLM's stats pipeline, from the worker's own counters.
+# Keys "name:value" are one labelled series of metric "name" (label path or cause).
+COUNTERS: dict[str, tuple[str, ...]] = {
+    "bytes_sent": ("write_bytes",),
+    "bytes_received": ("recv_bytes",),
+    "pushes_sent:copy": ("copies_done",),  # same host: CUDA IPC copy into D's blocks
+    "pushes_sent:nixl": ("writes_done",),  # NIXL WRITE
+    "pushes_received": ("recv_done",),
+    "early_hand_overs": ("handed_over",),
+    "push_failures:nixl_write": ("write_failed",),
+    "push_failures:copy": ("copy_failed",),
+    "push_failures:handshake": ("handshake_failed",),
+    "push_failures:invalid_registration": ("reg_invalid", "reg_wrong_sender"),
+    "push_failures:untrusted_decoder": ("reg_untrusted",),
+    "push_failures:registration_expired": ("reg_expired",),
+    "push_failures:lease_expired": ("lease_expired",),
+    "push_failures:receive_failed": ("recv_failed",),
+    "push_failures:watchdog": ("recv_expired",),
+}
+# Latency observations (seconds), drained from the worker at every report.
+HISTOGRAMS = ("push_seconds", "kv_wait_seconds")
 
 
 @dataclass
@@ -161,6 +175,9 @@ class WorkerSide:
 
             after = torch.cuda.Event()
             after.record()  # on the current stream: the forward's
+        if trace.ON:
+            for s in early:
+                trace.mark("p_worker.save", s.transfer_id, s.request_id)
         self.worker.hand_over([replace(s, after=after) for s in early])
 
     def collect(self) -> StepReport:
@@ -170,6 +187,9 @@ class WorkerSide:
         out = self.worker.get_finished()
         if not out:  # most steps: nothing to report
             return StepReport()
+        if trace.ON:
+            for rid in out.finished_recving:
+                trace.mark("d_worker.report", None, rid)
         report = StepReport(
             finished_sending=out.finished_sending,
             finished_recving=out.finished_recving | out.released | set(out.failed_recving),
@@ -189,26 +209,23 @@ class WorkerSide:
         self._meta = StepReport()
         return meta
 
-    def stats_delta(self) -> dict[str, int]:
-        """Counters since the last call (what vLLM's stats pipeline wants)."""
+    def stats_delta(self) -> dict[str, Any]:
+        """Counters since the last call, and the latencies observed since (what vLLM's
+        stats pipeline wants: numbers are summed, lists joined)."""
         if self.worker is None:
             return {}
+        out: dict[str, Any] = self.worker.take_observations()
         s = self.worker.stats
         total = sum(s.values())
         if total == self._stats_total:  # counters only grow: nothing changed since last time
-            return {}
+            return out
         self._stats_total = total
-        now = {
-            "bytes_sent": s["write_bytes"],
-            "bytes_received": s["recv_bytes"],
-            "pushes_sent": s["writes_done"],
-            "pushes_received": s["recv_done"],
-            "push_failures": s["write_failed"] + s["handshake_failed"],
-            "early_hand_overs": s["handed_over"],
-        }
-        delta = {k: int(v - self._reported[k]) for k, v in now.items()}
-        self._reported.update(delta)
-        return {k: v for k, v in delta.items() if v}
+        for key, sources in COUNTERS.items():
+            delta = int(sum(s[k] for k in sources) - self._reported[key])
+            if delta:
+                self._reported[key] += delta
+                out[key] = delta
+        return out
 
     def shutdown(self) -> None:
         if self.worker is not None:

@@ -1,0 +1,70 @@
+"""Where a kvpush request's time goes: stage marks (kvpush.core.trace) lined up with the
+client's own send time and first token.
+
+Every mark carries the transfer id, the request id, or both; D's marks that know only
+its request id are tied to the transfer through ``d_sched.alloc`` (which has both).
+Offsets are in ms from the moment the client sent the request.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+from kvpush.bench.stats import summary
+
+# In the order a request normally passes them (P and D run side by side).
+STAGES = (
+    "p_sched.alloc",  # P's scheduler allocated the prefill request
+    "d_sched.matched",  # D's scheduler saw the decode request (remote KV expected)
+    "d_sched.alloc",  # D allocated its blocks: the registration exists
+    "RecvTransfer.awaiting",  # D's worker sent PUSH_REG
+    "p_producer.reg",  # P's worker read PUSH_REG
+    "p_sched.hand_over",  # P's scheduler handed the prefill over (its forward is next)
+    "p_worker.save",  # P's forward launched (wait_for_save): push queued behind its event
+    "p_producer.launch",  # P launched the copy (behind the forward's event)
+    "PushTransfer.writing",
+    "RecvTransfer.done",  # D's worker saw the KV (lane word or completion)
+    "d_worker.report",  # D's worker reported it to vLLM (finished_recving)
+    "d_sched.recvd",  # D's scheduler took it in
+    "d_sched.forward",  # D's scheduler scheduled the request's first forward
+    "d_sched.output",  # that step's output (the first token) reached D's scheduler
+    "PushTransfer.done",  # P saw its push end
+    "sched.finished",  # a scheduler finished the request (P's first, then D's)
+)
+
+
+def by_transfer(events: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """transfer id -> stage -> wall time of its first mark."""
+    tid_of: dict[str, str] = {}
+    for e in events:
+        if e.get("id") and e.get("rid"):
+            tid_of.setdefault(str(e["rid"]), str(e["id"]))
+    out: dict[str, dict[str, float]] = defaultdict(dict)
+    for e in events:
+        tid = e.get("id") or tid_of.get(str(e.get("rid")))
+        if tid:
+            out[str(tid)].setdefault(str(e["ev"]), float(e["t"]))
+    return out
+
+
+def breakdown(samples: list[Any], events: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per stage: the median (and p90) offset from the client's send over ``samples``
+    (objects with ``request_id``, ``sent_at``, ``ok`` and ``ttft_s``); the client's first
+    token last. Stages no sample reached are left out."""
+    marks = by_transfer(events)
+    offsets: dict[str, list[float]] = defaultdict(list)
+    traced = 0
+    for s in samples:
+        m = marks.get(s.request_id)
+        if not s.ok or not s.sent_at or m is None:
+            continue
+        traced += 1
+        for stage, t in m.items():
+            offsets[stage].append((t - s.sent_at) * 1e3)
+        offsets["client.first_token"].append(s.ttft_s * 1e3)
+    order = [*STAGES, *sorted(set(offsets) - set(STAGES) - {"client.first_token"})]
+    stages = {
+        st: summary(offsets[st], 2) for st in [*order, "client.first_token"] if offsets.get(st)
+    }
+    return {"traced_requests": traced, "offset_ms": stages}

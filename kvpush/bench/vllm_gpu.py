@@ -1,0 +1,284 @@
+"""Real vLLM on a GPU: TTFT of one plain server and of P/D pairs, side by side in one run.
+
+Every contender (``--configs``: plain, kvpush, push, pull; see kvpush.bench.pairs) is
+started at once on the same GPU (P and D of a pair share it), gets the same warm-up, and
+then the same prompts, one contender at a time, in rounds whose order rotates. A cell is
+(prompt size, concurrency): ``concurrency`` requests sent at once and waited for (a
+batch), repeated. Every request
+is recorded; a failed one is counted and kept out of the percentiles, never dropped
+silently. The disaggregation overhead of a pair is its TTFT minus the plain server's at
+the same percentile in the same cell. ``--trace`` also records kvpush's stage marks
+(kvpush.core.trace) and reports where the time goes per cell.
+
+    python -m kvpush.bench.vllm_gpu --out DIR [--trace] [--sizes 256,2048,8000] ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+import threading
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from kvpush.bench.engine import prompts_for
+from kvpush.bench.pairs import LABELS, Pair, Sample, make_pair
+from kvpush.bench.stages import breakdown
+from kvpush.bench.stats import ratio, summary
+from kvpush.core import trace
+from kvpush.tiny_model import make_tiny_model
+
+PAIRS = ("kvpush", "push", "pull")
+
+
+def _log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m kvpush.bench.vllm_gpu", description=__doc__)
+    p.add_argument("--out", required=True, help="results: JSON, plot, server logs")
+    p.add_argument("--model", default="", help="model dir (default: the bench shape, made)")
+    p.add_argument("--configs", default="plain,kvpush,push,pull")
+    p.add_argument("--sizes", default="256,2048,8000", help="prompt tokens")
+    p.add_argument("--concurrency", default="1,8")
+    p.add_argument("--requests", type=int, default=16, help="per cell and round")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--warmup", type=int, default=3, help="requests per size, each contender")
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds per request")
+    p.add_argument("--max-model-len", type=int, default=8192)
+    p.add_argument("--kv-cache-gib", type=float, default=6.0, help="KV cache per server")
+    p.add_argument("--gpu-util", type=float, default=0.1, help="start-up memory share each")
+    p.add_argument(
+        "--server-args", default="", help="extra vLLM flags for every server (one string)"
+    )
+    p.add_argument("--cuda-graphs", action="store_true", help="decode steps as CUDA graphs")
+    p.add_argument("--device", default="cuda", help="cpu: a smoke run of this script")
+    p.add_argument("--trace", action="store_true", help="kvpush stage marks per request")
+    p.add_argument("--kvpush-options", default="{}", help="JSON: kv_connector_extra_config")
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def _ints(s: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in s.split(",") if x.strip())
+
+
+def _spec(args: argparse.Namespace) -> dict[str, Any]:
+    extra = {"extra_args": shlex.split(args.server_args)}
+    if args.device == "cpu":
+        return {"device": "cpu", "max_model_len": args.max_model_len, **extra}
+    return {
+        **extra,
+        "cuda_graphs": args.cuda_graphs,
+        "device": "cuda",
+        "max_model_len": args.max_model_len,
+        "max_num_seqs": 16,
+        "max_num_batched_tokens": args.max_model_len,  # a whole prompt fits one step
+        "gpu_memory_utilization": args.gpu_util,
+        "kv_cache_bytes": int(args.kv_cache_gib * 2**30),
+    }
+
+
+def start_all(args: argparse.Namespace, model: str, configs: list[str]) -> dict[str, Pair]:
+    """Every contender at once (each waits for its own health); a failed start is fatal."""
+    out = Path(args.out)
+    pairs: dict[str, Pair] = {}
+    errors: dict[str, str] = {}
+    for cfg in configs:
+        pair = make_pair(cfg, model, str(out / "logs" / cfg), **_spec(args))
+        if cfg.startswith("kvpush"):
+            opts = json.loads(args.kvpush_options)
+            pair.options = {**pair.options, **opts}  # type: ignore[attr-defined]
+            if args.trace:
+                pair.spec["env"] = {"KVPUSH_TRACE_DIR": str(out / "trace")}
+        pairs[cfg] = pair
+
+    def up(cfg: str) -> None:
+        try:
+            pairs[cfg].start(timeout=420)
+        except Exception as e:
+            errors[cfg] = str(e)[-1500:]
+
+    threads = [threading.Thread(target=up, args=(c,)) for c in configs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        for p in pairs.values():
+            p.stop()
+        raise RuntimeError(f"contenders failed to start: {errors}")
+    return pairs
+
+
+def send_batch(pair: Pair, prompts: list[list[int]], args: argparse.Namespace) -> list[Sample]:
+    """``prompts`` sent at the same moment; returns when every answer is in."""
+    got: list[Sample | None] = [None] * len(prompts)
+
+    def one(i: int) -> None:
+        try:
+            got[i] = pair.send(prompts[i], args.max_tokens, args.timeout)
+        except Exception as e:  # a client-side failure is a failed request, not a crash
+            got[i] = Sample(False, error=repr(e)[:300])
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return [s if s is not None else Sample(False, error="no answer") for s in got]
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    configs = [c for c in args.configs.split(",") if c]
+    sizes, concs = _ints(args.sizes), _ints(args.concurrency)
+    if max(sizes) + args.max_tokens > args.max_model_len:
+        raise SystemExit("--max-model-len must hold the largest prompt and --max-tokens")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model = args.model or make_tiny_model(str(out / "model"), args.seed, shape="bench")
+    t0 = time.monotonic()
+    pairs = start_all(args, model, configs)
+    _log(f"all {len(configs)} contenders healthy after {time.monotonic() - t0:.0f}s")
+    records: list[dict[str, Any]] = []
+    samples: dict[tuple[str, int, int], list[Sample]] = {}
+    try:
+        for cfg in configs:  # the same warm-up for every contender
+            for size in sizes:
+                for prompt in prompts_for(-1, size, args.warmup, args.seed):
+                    pairs[cfg].send(prompt, args.max_tokens, args.timeout)
+                for c in concs:
+                    send_batch(pairs[cfg], prompts_for(-2, size, c, args.seed), args)
+        _log("warm-up done")
+        for r in range(args.rounds):
+            k = r % len(configs)
+            for cfg in configs[k:] + configs[:k]:
+                for size in sizes:
+                    for c in concs:
+                        n = -(-args.requests // c) * c
+                        prompts = prompts_for(r, size, n, args.seed)
+                        got: list[Sample] = []
+                        for i in range(0, n, c):
+                            got += send_batch(pairs[cfg], prompts[i : i + c], args)
+                        samples.setdefault((cfg, size, c), []).extend(got)
+                        for s in got:
+                            records.append(
+                                {
+                                    "config": cfg,
+                                    "round": r,
+                                    "size": size,
+                                    "concurrency": c,
+                                    **asdict(s),
+                                }
+                            )
+                        ok = [s.ttft_s * 1e3 for s in got if s.ok]
+                        med = summary(ok, 1)["median"]
+                        _log(
+                            f"r{r + 1} {cfg:7} {size:>5} tok c={c}: {len(ok)}/{n} ok, "
+                            f"TTFT p50 {med} ms"
+                        )
+    finally:
+        for pair in pairs.values():
+            pair.stop()
+    result = aggregate(samples, configs, sizes, concs)
+    result["options"] = {k: v for k, v in vars(args).items()}
+    result["labels"] = {c: LABELS[c] for c in configs}
+    result["samples"] = records
+    if args.trace and (out / "trace").is_dir():
+        events = trace.read(str(out / "trace"))
+        result["stages"] = {
+            f"{size}tok_c{c}": breakdown(samples.get(("kvpush", size, c), []), events)
+            for size in sizes
+            for c in concs
+        }
+    return result
+
+
+def aggregate(
+    samples: dict[tuple[str, int, int], list[Sample]],
+    configs: list[str],
+    sizes: tuple[int, ...],
+    concs: tuple[int, ...],
+) -> dict[str, Any]:
+    cells: dict[str, Any] = {}
+    for size in sizes:
+        for c in concs:
+            cell: dict[str, Any] = {"size": size, "concurrency": c}
+            for cfg in configs:
+                got = samples.get((cfg, size, c), [])
+                ok = [s.ttft_s * 1e3 for s in got if s.ok]
+                cell[cfg] = {
+                    "requests": len(got),
+                    "failed": len(got) - len(ok),
+                    "errors": sorted({s.error for s in got if not s.ok})[:5],
+                    "ttft_ms": summary(ok, 2),
+                    "e2e_ms": summary([s.total_s * 1e3 for s in got if s.ok], 2),
+                }
+            plain = cell.get("plain", {}).get("ttft_ms", {})
+            for cfg in configs:
+                if cfg == "plain" or not plain:
+                    continue
+                mine = cell[cfg]["ttft_ms"]
+                cell[cfg]["overhead_ms"] = {
+                    q: None if mine[q] is None or plain[q] is None else round(mine[q] - plain[q], 2)
+                    for q in ("median", "p90")
+                }
+            if "kvpush" in cell and "push" in cell and plain:
+                a = cell["kvpush"].get("overhead_ms", {}).get("median")
+                b = cell["push"].get("overhead_ms", {}).get("median")
+                cell["overhead_ratio_kvpush_vs_push"] = ratio(a, b)
+            cells[f"{size}tok_c{c}"] = cell
+    return {"cells": cells}
+
+
+def plot(result: dict[str, Any], path: str) -> None:
+    """TTFT p50 per prompt size, one panel per concurrency, a bar per contender."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cells = result["cells"]
+    concs = sorted({v["concurrency"] for v in cells.values()})
+    sizes = sorted({v["size"] for v in cells.values()})
+    configs = [c for c in ("plain", *PAIRS) if any(c in v for v in cells.values())]
+    fig, axes = plt.subplots(1, len(concs), figsize=(6 * len(concs), 4), squeeze=False)
+    width = 0.8 / len(configs)
+    for ax, c in zip(axes[0], concs, strict=True):
+        for i, cfg in enumerate(configs):
+            meds = [cells[f"{s}tok_c{c}"][cfg]["ttft_ms"]["median"] or 0 for s in sizes]
+            p90s = [cells[f"{s}tok_c{c}"][cfg]["ttft_ms"]["p90"] or 0 for s in sizes]
+            xs = [j + i * width for j in range(len(sizes))]
+            ax.bar(xs, meds, width, label=cfg)
+            ax.scatter(xs, p90s, marker="_", color="black", s=80)
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(sizes))], [str(s) for s in sizes])
+        ax.set_xlabel("prompt tokens")
+        ax.set_ylabel("TTFT ms (bar p50, tick p90)")
+        ax.set_yscale("log")
+        ax.set_title(f"{c} request(s) at once")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    result = run(args)
+    out = Path(args.out)
+    (out / "results.json").write_text(json.dumps(result, indent=1))
+    try:
+        plot(result, str(out / "ttft.png"))
+    except Exception as e:  # the JSON is saved; a plot error must not lose the run
+        _log(f"plot failed: {e!r}")
+    print(json.dumps({k: v for k, v in result.items() if k in ("cells", "stages")}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,168 @@
+"""Real vLLM servers on one GPU: kvpush's P and D with the router in front, against vLLM's
+own NixlConnector (pull) on the same GPU and one plain server.
+
+Every P/D connector differs from one plain server at the same places (bf16 numerics of a
+decode that starts from another process's KV), so outputs are compared token for token
+with NixlConnector's, and the first token with the plain server's. Skipped without CUDA
+(CI has none); run on the GPU machine (docs/benchmarks.md has the command).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA", allow_module_level=True)
+pytest.importorskip("vllm")
+
+from kvpush.bench.pairs import make_pair  # noqa: E402
+from kvpush.deploy.client import Reply, request  # noqa: E402
+from kvpush.deploy.servers import metric  # noqa: E402
+from kvpush.tiny_model import make_tiny_model  # noqa: E402
+
+pytestmark = pytest.mark.e2e
+
+MAX_LEN = 8192
+SPEC = {
+    "device": "cuda",
+    "max_model_len": MAX_LEN,
+    "max_num_seqs": 16,
+    "max_num_batched_tokens": MAX_LEN,
+    "gpu_memory_utilization": 0.1,
+    "kv_cache_bytes": 4 << 30,
+}
+
+
+def ids(n: int, seed: int) -> list[int]:
+    return [(seed * 7919 + i * 104729) % 900 + 20 for i in range(n)]
+
+
+@dataclass
+class Case:
+    name: str
+    prompt: list[int] | None = None
+    messages: list[dict[str, str]] | None = None
+    stream: bool = False
+    max_tokens: int = 12
+
+
+CASES = [
+    Case("one_token", ids(1, 1)),
+    Case("short", ids(37, 2)),
+    Case("exact_block_multiple", ids(16 * 20, 3)),
+    Case("long", ids(4000, 4), stream=True),
+    Case("near_max_length", ids(MAX_LEN - 40, 5), max_tokens=16),
+    Case("streamed", ids(600, 6), stream=True, max_tokens=20),
+    Case("chat", messages=[{"role": "user", "content": "tell me of silver moons and rivers"}]),
+    Case(
+        "chat_streamed",
+        messages=[
+            {"role": "system", "content": "you answer briefly"},
+            {"role": "user", "content": "what moves the cache between the two servers"},
+        ],
+        stream=True,
+    ),
+]
+CONCURRENT = [Case(f"c{i}", ids(200 + 97 * i, 100 + i), stream=i % 2 == 0) for i in range(16)]
+
+
+def send(url: str, model: str, case: Case, **kw: Any) -> Reply:
+    return request(
+        url, model, case.prompt, case.messages, case.max_tokens, case.stream, timeout=120, **kw
+    )
+
+
+def pull(p_url: str, d_url: str, model: str, case: Case) -> Reply:
+    """vLLM's NixlConnector as its proxy drives it: the prefill leg, then the decode leg
+    with the kv_transfer_params P returned, both under one X-Request-Id."""
+    headers = {"X-Request-Id": uuid.uuid4().hex, "Content-Type": "application/json"}
+    chat = case.messages is not None
+    body: dict[str, Any] = {
+        "model": model,
+        "max_tokens": 1,
+        "temperature": 0,
+        "kv_transfer_params": {"do_remote_decode": True},
+    }
+    body.update({"messages": case.messages} if chat else {"prompt": case.prompt})
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    req = urllib.request.Request(p_url + path, json.dumps(body).encode(), headers)
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        params = json.loads(resp.read())["kv_transfer_params"]
+    return send(d_url, model, case, headers=headers, extra={"kv_transfer_params": params})
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    work = tmp_path_factory.mktemp("gpu-e2e")
+    model = os.environ.get("KVPUSH_GPU_MODEL") or make_tiny_model(
+        str(work / "model"), shape="bench"
+    )
+    pairs = {n: make_pair(n, model, str(work / n), **SPEC) for n in ("plain", "kvpush", "pull")}
+    with ThreadPoolExecutor(len(pairs)) as pool:
+        list(pool.map(lambda p: p.start(timeout=420), pairs.values()))
+    try:
+        yield {"model": model, **pairs}
+    finally:
+        for p in pairs.values():
+            p.stop()
+
+
+def _tokens(r: Reply) -> list[int]:
+    assert r.ok, r.error
+    assert r.token_ids, "no token ids returned"
+    return r.token_ids
+
+
+def _check(servers: dict[str, Any], case: Case, got: Reply) -> None:
+    model, kv, pl = servers["model"], servers["kvpush"], servers["pull"]
+    ref = pull(pl.p.url, pl.d.url, model, case)
+    plain = send(servers["plain"].server.url, model, case)
+    assert _tokens(got) == _tokens(ref), (case.name, got.text, ref.text)
+    assert _tokens(got)[0] == _tokens(plain)[0], case.name
+    assert kv is not None
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_token_identical_to_nixl_connector(servers: dict[str, Any], case: Case) -> None:
+    kv = servers["kvpush"]
+    before = metric(kv.d.url, "vllm:kvpush_pushes_received_total")
+    got = send(kv.router.url, servers["model"], case)
+    _check(servers, case, got)
+    assert metric(kv.d.url, "vllm:kvpush_pushes_received_total") == before + 1
+
+
+def test_16_concurrent(servers: dict[str, Any]) -> None:
+    kv = servers["kvpush"]
+    with ThreadPoolExecutor(16) as pool:
+        got = list(pool.map(lambda c: send(kv.router.url, servers["model"], c), CONCURRENT))
+    for case, reply in zip(CONCURRENT, got, strict=True):
+        _check(servers, case, reply)
+
+
+def test_nothing_held_and_metrics_true(servers: dict[str, Any]) -> None:
+    kv = servers["kvpush"]
+    deadline = time.monotonic() + 30
+    while True:
+        usage = [metric(s.url, "vllm:kv_cache_usage_perc") for s in (kv.p, kv.d)]
+        if usage == [0.0, 0.0]:
+            break
+        assert time.monotonic() < deadline, f"KV cache still in use: P, D = {usage}"
+        time.sleep(0.2)
+    sent = metric(kv.p.url, "vllm:kvpush_pushes_sent_total")
+    received = metric(kv.d.url, "vllm:kvpush_pushes_received_total")
+    assert sent == received >= len(CASES) + len(CONCURRENT)
+    assert metric(kv.p.url, "vllm:kvpush_bytes_sent_total") == metric(
+        kv.d.url, "vllm:kvpush_bytes_received_total"
+    )
+    assert metric(kv.p.url, "vllm:kvpush_push_failures_total") == 0
