@@ -197,7 +197,10 @@ class SideChannelServer:
             except Exception:  # a bug answering one request must not stop the server
                 log.exception("side channel: answering a request failed")
                 reply = HandshakeReply(error="internal error")
-            self._sock.send(_encoder.encode(reply))
+            try:
+                self._sock.send(_encoder.encode(reply))
+            except zmq.ZMQError as e:  # the asker went away; the next one is served
+                log.warning("side channel send failed: %s", e)
         self._sock.close()
 
     def _answer(self, frames: list[bytes]) -> HandshakeReply:

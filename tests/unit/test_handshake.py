@@ -208,8 +208,12 @@ class V1Reply(msgspec.Struct, kw_only=True):
     error: str | None = None
 
 
-def fake_server(answers: list[HandshakeReply]) -> tuple[int, threading.Thread]:
-    """A side channel that answers each request with the next of ``answers``."""
+Answer = HandshakeReply | Callable[[hs.HandshakeRequest], HandshakeReply]
+
+
+def fake_server(answers: list[Answer]) -> tuple[int, threading.Thread]:
+    """A side channel that answers each request with the next of ``answers`` (a reply, or
+    a function of the request)."""
     port = free_port()
     sock = zmq.Context.instance().socket(zmq.REP)
     sock.bind(f"tcp://127.0.0.1:{port}")
@@ -218,8 +222,8 @@ def fake_server(answers: list[HandshakeReply]) -> tuple[int, threading.Thread]:
         for answer in answers:
             if not sock.poll(3000):
                 break
-            sock.recv()
-            sock.send(enc.encode(answer))
+            req = msgspec.msgpack.decode(sock.recv(), type=hs.HandshakeRequest)
+            sock.send(enc.encode(answer if isinstance(answer, HandshakeReply) else answer(req)))
         sock.close(linger=0)
 
     t = threading.Thread(target=serve, daemon=True)
@@ -239,6 +243,27 @@ def test_client_accepts_nothing_from_a_server_that_does_not_prove_the_secret() -
     ]:
         port, t = fake_server(answers)
         with pytest.raises(HandshakeError, match=why):
+            fetch_agent_info("127.0.0.1", port, "D", 2.0, secret=SECRET)
+        t.join(5)
+
+
+def test_client_refuses_a_replayed_or_reflected_server_answer(
+    server: Callable[..., Server],
+) -> None:
+    s = server()
+    raw = Raw(s.port)
+    challenge = raw.hello()
+    captured = raw.ask(raw.proof(challenge, SECRET))  # an honest answer, to another nonce
+    raw.close()
+    replayed = [HandshakeReply(challenge=challenge), captured]
+    # A server that knows no secret answers the client's own MAC back as its proof.
+    reflected = [
+        HandshakeReply(challenge=challenge),
+        lambda req: HandshakeReply(info=captured.info, mac=req.mac),
+    ]
+    for answers in (replayed, reflected):
+        port, t = fake_server(answers)
+        with pytest.raises(HandshakeError, match="failed to prove"):
             fetch_agent_info("127.0.0.1", port, "D", 2.0, secret=SECRET)
         t.join(5)
 
