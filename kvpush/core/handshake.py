@@ -123,7 +123,7 @@ def _cipher(secret: Secret, challenge: bytes, nonce: bytes, data: bytes) -> byte
 class AgentSet:
     """Agent names that proved the secret; bounded (oldest forgotten), any thread."""
 
-    def __init__(self, limit: int = 4096) -> None:
+    def __init__(self, limit: int = 1 << 16) -> None:
         self._names: OrderedDict[str, None] = OrderedDict()
         self._limit = limit
         self._lock = threading.Lock()

@@ -467,8 +467,7 @@ class PushWorker:
             return 0
         now = time.monotonic()
         for sender, raw in notifs:
-            if self.config.shared_secret is not None and sender not in self.authenticated:
-                self._unauthenticated(sender)
+            if self.config.shared_secret is not None and not self._authentic(sender):
                 continue
             self.heard[sender] = now
             try:
@@ -480,12 +479,16 @@ class PushWorker:
             self._guard(self._dispatch, sender, msg)
         return len(notifs)
 
-    def _unauthenticated(self, sender: str) -> None:
-        """A notification from an agent that never proved the secret: dropped, counted."""
+    def _authentic(self, sender: str) -> bool:
+        """With a secret: did the sender prove it in a handshake with us, either way (our
+        peers did, through our verified fetch)? If not, its notification is dropped."""
+        if sender in self.peers_by_agent or sender in self.authenticated:
+            return True
         self.stats["notif_unauthenticated"] += 1
         n = self.stats["notif_unauthenticated"]
         if n <= 10 or n % 1000 == 0:
             log.warning("notification from unauthenticated agent %r dropped (#%d)", sender, n)
+        return False
 
     def _dispatch(self, sender: str, msg: wire.Message) -> None:
         if isinstance(msg, wire.PushReg):
