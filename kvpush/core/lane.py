@@ -111,7 +111,14 @@ def _made_locked(path: str, size: int) -> int:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             os.ftruncate(fd, size)
-            os.link(f"/proc/self/fd/{fd}", path)  # a crash before this leaves nothing
+            # linkat(AT_SYMLINK_FOLLOW) (a dir fd makes Python call it): a crash before
+            # this leaves nothing behind.
+            dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                name = os.path.basename(path)
+                os.link(f"/proc/self/fd/{fd}", name, dst_dir_fd=dir_fd, follow_symlinks=True)
+            finally:
+                os.close(dir_fd)
             return fd
         except OSError as e:
             os.close(fd)

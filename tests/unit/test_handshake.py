@@ -337,11 +337,18 @@ def test_half_made_lanes_are_removed_once_old(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([fresh, held, "other-file.new"])
 
 
-def test_a_lane_is_never_seen_unlocked_under_its_name() -> None:
+@pytest.mark.parametrize("nameless", [True, False], ids=["o_tmpfile", "renamed"])
+def test_a_lane_is_never_seen_unlocked_under_its_name(
+    monkeypatch: pytest.MonkeyPatch, nameless: bool
+) -> None:
+    if nameless:  # made nameless and linked once locked: no temporary name at all
+        monkeypatch.setattr(os, "rename", lambda *a: pytest.fail("renamed"))
+    else:  # a kernel without O_TMPFILE: made as .new, locked, then renamed
+        monkeypatch.delattr(os, "O_TMPFILE")
     lane = CompletionLane(8)
     try:
         assert not list(Path(LANE_DIR).glob(f"{lane.name}.new"))
-        assert lane.name not in remove_stale_lanes()
+        assert lane.name not in remove_stale_lanes()  # locked by us
         assert os.stat(lane.path).st_size == 64
     finally:
         lane.close()
