@@ -129,8 +129,8 @@ def _made_locked(path: str, size: int) -> int:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         os.ftruncate(fd, size)
         os.rename(tmp, path)
-    except OSError:
-        os.unlink(tmp)  # (a full /dev/shm) leave nothing behind
+    except BaseException:
+        os.unlink(tmp)  # (a full /dev/shm, an interrupt) leave nothing behind
         os.close(fd)
         raise
     return fd
