@@ -2,6 +2,25 @@
 
 A peer fetches it (on the writer's background executor, never on the writer
 itself), checks compatibility, and the writer then loads the NIXL metadata.
+
+The info is what it takes to WRITE into this worker's KV memory (NIXL metadata)
+or to map it (CUDA IPC handles), so with a shared secret nothing of it leaves
+before both sides proved the secret, in two round trips (REQ/REP):
+
+1. client: ``hello``            server: a fresh challenge (32 random bytes,
+                                single-use, expires after CHALLENGE_TTL_S)
+2. client: ``proof`` = its own nonce, its agent name and
+   HMAC(secret, "client", challenge, nonce, agent, engine)
+                                server: checks the proof, consumes the challenge,
+                                then answers the info, enciphered, with
+                                HMAC(secret, "server", nonce, challenge, ciphertext)
+
+Each MAC names the protocol version and its direction, so neither a replayed nor
+a reflected message proves anything. Anything else gets a short refusal naming
+its cause, with nothing of the info, and is counted by cause (``refused``). The
+agent names that proved the secret are reported (``on_client``): the worker acts
+on NIXL notifications only from those. Without a secret the info is served at
+once to anyone, as before, and a warning says so at start-up.
 """
 
 from __future__ import annotations
@@ -11,6 +30,9 @@ import hmac
 import logging
 import os
 import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
 from typing import Annotated
 
 import msgspec
@@ -18,11 +40,26 @@ import zmq
 
 from kvpush.core.errors import HandshakeError, LayoutError
 from kvpush.core.layout import KVLayout, Region, check_compatible
+from kvpush.core.secret import Secret, as_secret
 
 log = logging.getLogger(__name__)
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 MAX_INFO_BYTES = 64 << 20
+NONCE_BYTES = 32
+MAX_REQUEST_BYTES = 4096  # a request is ~200 bytes; larger ones are refused
+MAX_FRAME_BYTES = 1 << 20  # beyond this ZMQ drops the connection (nothing to answer)
+CHALLENGE_TTL_S = 10.0
+MAX_CHALLENGES = 1024  # outstanding; the oldest is dropped beyond (a flood cannot grow memory)
+CAUSES = ("malformed", "oversized", "version", "no_secret", "bad_mac", "replay")
+_SHORT = {
+    "malformed": "malformed request",
+    "oversized": "request too large",
+    "version": f"protocol version not supported (this side speaks {PROTOCOL_VERSION})",
+    "no_secret": "this side channel requires the shared secret (KVPUSH_SHARED_SECRET)",
+    "bad_mac": "the shared secret does not match",
+    "replay": "unknown, used or expired challenge",
+}
 
 
 class AgentInfo(msgspec.Struct, kw_only=True):
@@ -46,18 +83,20 @@ class AgentInfo(msgspec.Struct, kw_only=True):
 
 class HandshakeRequest(msgspec.Struct, kw_only=True):
     protocol_version: int
-    engine_id: str  # the asking engine, for logs
-    nonce: Annotated[bytes, msgspec.Meta(max_length=64)] = b""  # fresh per handshake
+    engine_id: Annotated[str, msgspec.Meta(max_length=256)]  # the asking engine, for logs
+    nonce: Annotated[bytes, msgspec.Meta(max_length=64)] = b""  # the client's, fresh
+    step: str = ""  # "hello" or "proof" (version 1 had a single step)
+    agent: Annotated[str, msgspec.Meta(max_length=256)] = ""  # the client's NIXL agent
+    challenge: Annotated[bytes, msgspec.Meta(max_length=64)] = b""  # the server's, answered
+    mac: Annotated[bytes, msgspec.Meta(max_length=64)] = b""
 
 
 class HandshakeReply(msgspec.Struct, kw_only=True):
-    info: bytes | None = None  # msgpack of AgentInfo, exactly as the MAC covers it
-    mac: bytes = b""  # HMAC-SHA256(shared secret, nonce + info) when the server has a secret
+    # The fields of version 1 first: a version-1 client decodes a refusal as one.
+    info: bytes | None = None  # msgpack of AgentInfo (enciphered with a secret)
+    mac: bytes = b""
     error: str | None = None
-
-
-def _mac(secret: bytes, nonce: bytes, info: bytes) -> bytes:
-    return hmac.new(secret, nonce + info, hashlib.sha256).digest()
+    challenge: bytes = b""
 
 
 _reply_decoder = msgspec.msgpack.Decoder(HandshakeReply)
@@ -66,22 +105,79 @@ _request_decoder = msgspec.msgpack.Decoder(HandshakeRequest)
 _encoder = msgspec.msgpack.Encoder()
 
 
+def _mac(secret: Secret, direction: str, *parts: bytes | str) -> bytes:
+    # msgpack of the list: an unambiguous encoding of every part.
+    msg = _encoder.encode([f"kvpush-handshake/{PROTOCOL_VERSION}/{direction}", *parts])
+    return hmac.new(secret.reveal(), msg, hashlib.sha256).digest()
+
+
+def _cipher(secret: Secret, challenge: bytes, nonce: bytes, data: bytes) -> bytes:
+    """XOR with a SHAKE-256 keystream of (secret, both nonces): the info is not readable
+    on the wire either. Its own inverse; every exchange has a fresh challenge."""
+    seed = _encoder.encode([f"kvpush-handshake/{PROTOCOL_VERSION}/stream", challenge, nonce])
+    stream = hashlib.shake_256(secret.reveal() + seed).digest(len(data))
+    n = len(data)
+    return (int.from_bytes(data, "little") ^ int.from_bytes(stream, "little")).to_bytes(n, "little")
+
+
+class AgentSet:
+    """Agent names that proved the secret; bounded (oldest forgotten), any thread."""
+
+    def __init__(self, limit: int = 1 << 16) -> None:
+        self._names: OrderedDict[str, None] = OrderedDict()
+        self._limit = limit
+        self._lock = threading.Lock()
+
+    def add(self, name: str) -> None:
+        with self._lock:
+            self._names[name] = None
+            self._names.move_to_end(name)
+            while len(self._names) > self._limit:
+                self._names.popitem(last=False)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._names
+
+
 class SideChannelServer:
     """Answers handshake requests with a fixed AgentInfo, on its own thread."""
 
-    def __init__(self, host: str, port: int, info: AgentInfo, secret: bytes | None = None) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        info: AgentInfo,
+        secret: Secret | bytes | str | None = None,
+        on_client: Callable[[str], None] | None = None,
+    ) -> None:
         self._info = _encoder.encode(info)
-        self._secret = secret
+        self._secret = as_secret(secret)
+        self._on_client = on_client
+        self._challenges: OrderedDict[bytes, float] = OrderedDict()
+        # Fixed keys: other threads may copy these while the server counts.
+        self.refused: dict[str, int] = dict.fromkeys(CAUSES, 0)
+        self.served = 0
         self._stop = threading.Event()
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.REP)
         self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.MAXMSGSIZE, 1 << 20)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         try:
             self._sock.bind(f"tcp://{host}:{port}")
         except zmq.ZMQError as e:
             self._sock.close()
             raise HandshakeError(f"cannot bind side channel {host}:{port}: {e}") from e
+        if self._secret is None:
+            log.warning(
+                "kvpush side channel %s:%d has no shared secret: any process that can reach "
+                "it obtains this worker's NIXL metadata (write access to its KV memory) and "
+                "CUDA IPC handles. Set KVPUSH_SHARED_SECRET on every server, bind to loopback "
+                "or a private address, and list trusted_decoders (README, Trust).",
+                host,
+                port,
+            )
+        elif len(self._secret) < 16:
+            log.warning("the kvpush shared secret is shorter than 16 bytes: easy to guess")
         self._thread = threading.Thread(target=self._serve, name="kvpush-side-channel", daemon=True)
         self._thread.start()
 
@@ -92,26 +188,73 @@ class SideChannelServer:
             if not poller.poll(100):
                 continue
             try:
-                raw = self._sock.recv()
+                frames = self._sock.recv_multipart()
             except zmq.ZMQError as e:
                 log.warning("side channel receive failed: %s", e)
                 continue
-            self._sock.send(_encoder.encode(self._answer(raw)))
+            try:
+                reply = self._answer(frames)
+            except Exception:  # a bug answering one request must not stop the server
+                log.exception("side channel: answering a request failed")
+                reply = HandshakeReply(error="internal error")
+            try:
+                self._sock.send(_encoder.encode(reply))
+            except zmq.ZMQError as e:  # the asker went away; the next one is served
+                log.warning("side channel send failed: %s", e)
         self._sock.close()
 
-    def _answer(self, raw: bytes) -> HandshakeReply:
+    def _answer(self, frames: list[bytes]) -> HandshakeReply:
+        if sum(len(f) for f in frames) > MAX_REQUEST_BYTES:
+            return self._refuse("oversized", f"{sum(len(f) for f in frames)} bytes")
+        if len(frames) != 1:
+            return self._refuse("malformed", f"{len(frames)} frames")
         try:
-            req = _request_decoder.decode(raw)
+            req = _request_decoder.decode(frames[0])
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
-            log.warning("malformed handshake request rejected: %s", e)
-            return HandshakeReply(error=f"malformed request: {e}")
+            return self._refuse("malformed", str(e))
+        who = f"engine {req.engine_id!r} agent {req.agent!r}"
         if req.protocol_version != PROTOCOL_VERSION:
-            return HandshakeReply(
-                error=f"protocol version {req.protocol_version} != {PROTOCOL_VERSION}"
-            )
-        log.debug("handshake from engine %s", req.engine_id)
-        mac = _mac(self._secret, req.nonce, self._info) if self._secret else b""
-        return HandshakeReply(info=self._info, mac=mac)
+            return self._refuse("version", f"{who} speaks {req.protocol_version}")
+        if req.step not in ("hello", "proof"):
+            return self._refuse("malformed", f"{who}: step {req.step!r}")
+        if self._secret is None:  # as before the secret existed: anyone is served
+            self.served += 1
+            return HandshakeReply(info=self._info)
+        if req.step == "hello":
+            return HandshakeReply(challenge=self._new_challenge())
+        expires = self._challenges.pop(req.challenge, None)  # single-use, even if refused
+        if expires is None or expires < time.monotonic():
+            return self._refuse("replay", who)
+        if len(req.nonce) != NONCE_BYTES:
+            return self._refuse("malformed", f"{who}: nonce of {len(req.nonce)} bytes")
+        if not req.mac:
+            return self._refuse("no_secret", who)
+        want = _mac(self._secret, "client", req.challenge, req.nonce, req.agent, req.engine_id)
+        if not hmac.compare_digest(req.mac, want):
+            return self._refuse("bad_mac", who)
+        if self._on_client is not None and req.agent:
+            self._on_client(req.agent)
+        self.served += 1
+        log.debug("handshake: served %s", who)
+        body = _cipher(self._secret, req.challenge, req.nonce, self._info)
+        mac = _mac(self._secret, "server", req.nonce, req.challenge, body)
+        return HandshakeReply(info=body, mac=mac)
+
+    def _new_challenge(self) -> bytes:
+        now = time.monotonic()
+        held = self._challenges
+        while held and (len(held) >= MAX_CHALLENGES or next(iter(held.values())) < now):
+            held.popitem(last=False)  # in order of expiry: one TTL for all
+        challenge = os.urandom(NONCE_BYTES)
+        held[challenge] = now + CHALLENGE_TTL_S
+        return challenge
+
+    def _refuse(self, cause: str, detail: str) -> HandshakeReply:
+        self.refused[cause] += 1
+        n = self.refused[cause]
+        if n <= 10 or n % 1000 == 0:  # a flood must not flood the log too
+            log.warning("handshake refused (%s, #%d): %s", cause, n, detail[:200])
+        return HandshakeReply(error=_SHORT[cause])
 
     def close(self) -> None:
         self._stop.set()
@@ -124,46 +267,82 @@ def fetch_agent_info(
     engine_id: str,
     timeout_s: float,
     local: KVLayout | None = None,
-    secret: bytes | None = None,
+    secret: Secret | bytes | str | None = None,
+    agent: str = "",
 ) -> AgentInfo:
     """Ask a peer's side channel for its AgentInfo; raise HandshakeError on any failure.
 
     With ``local`` given, the peer's layout must be writable from ours. With ``secret``
-    given, the peer must prove it holds the same secret (HMAC over our nonce and its info).
+    given, both sides prove they hold it before the info is sent (``agent``, our NIXL
+    agent's name, is what the peer then hears notifications from), and a peer that
+    does not prove it is not trusted.
     """
-    nonce = os.urandom(16)
+    key = as_secret(secret)
+    where = f"{host}:{port}"
+    deadline = time.monotonic() + timeout_s
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     sock = ctx.socket(zmq.REQ)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_INFO_BYTES)
     try:
-        sock.connect(f"tcp://{host}:{port}")
-        req = HandshakeRequest(protocol_version=PROTOCOL_VERSION, engine_id=engine_id, nonce=nonce)
-        sock.send(_encoder.encode(req))
-        if not sock.poll(int(timeout_s * 1000)):
-            raise HandshakeError(f"no handshake answer from {host}:{port} in {timeout_s:.1f}s")
-        reply = _reply_decoder.decode(sock.recv())
+        sock.connect(f"tcp://{where}")
+        hello = HandshakeRequest(
+            protocol_version=PROTOCOL_VERSION, engine_id=engine_id, agent=agent, step="hello"
+        )
+        first = _ask(sock, hello, deadline, where, timeout_s)
+        if first.info is not None:  # a server without a secret serves at once
+            if key is not None:
+                raise HandshakeError(f"{where} does not prove the shared secret; not trusted")
+            raw = first.info
+        else:
+            if len(first.challenge) != NONCE_BYTES:
+                raise HandshakeError(f"malformed handshake challenge from {where}")
+            nonce = os.urandom(NONCE_BYTES)
+            challenge = first.challenge
+            mac = b"" if key is None else _mac(key, "client", challenge, nonce, agent, engine_id)
+            proof = msgspec.structs.replace(
+                hello, step="proof", nonce=nonce, challenge=challenge, mac=mac
+            )
+            second = _ask(sock, proof, deadline, where, timeout_s)
+            if second.info is None:
+                raise HandshakeError(f"{where} sent no agent info")
+            if key is None:
+                raise HandshakeError(f"{where} requires a shared secret; none configured")
+            want = _mac(key, "server", nonce, first.challenge, second.info)
+            if not hmac.compare_digest(second.mac, want):
+                raise HandshakeError(f"{where} failed to prove the shared secret; not trusted")
+            raw = _cipher(key, first.challenge, nonce, second.info)
     except zmq.ZMQError as e:
-        raise HandshakeError(f"handshake with {host}:{port}: {e}") from e
-    except (msgspec.DecodeError, msgspec.ValidationError) as e:
-        raise HandshakeError(f"malformed handshake reply from {host}:{port}: {e}") from e
+        raise HandshakeError(f"handshake with {where}: {e}") from e
     finally:
         sock.close()
-    if reply.error is not None or reply.info is None:
-        raise HandshakeError(f"{host}:{port} refused the handshake: {reply.error}")
-    if secret and not hmac.compare_digest(reply.mac, _mac(secret, nonce, reply.info)):
-        raise HandshakeError(f"{host}:{port} failed to prove the shared secret; not trusted")
     try:
-        info = _info_decoder.decode(reply.info)
+        info = _info_decoder.decode(raw)
     except (msgspec.DecodeError, msgspec.ValidationError) as e:
-        raise HandshakeError(f"malformed agent info from {host}:{port}: {e}") from e
+        raise HandshakeError(f"malformed agent info from {where}: {e}") from e
     if info.protocol_version != PROTOCOL_VERSION:
-        raise HandshakeError(
-            f"{host}:{port} speaks protocol {info.protocol_version}, we {PROTOCOL_VERSION}"
-        )
+        theirs = info.protocol_version
+        raise HandshakeError(f"{where} speaks protocol {theirs}, we {PROTOCOL_VERSION}")
     if local is not None:
         try:
             check_compatible(local, info.layout)
         except LayoutError as e:
-            raise HandshakeError(f"{host}:{port} ({info.engine_id}) is incompatible: {e}") from e
+            raise HandshakeError(f"{where} ({info.engine_id}) is incompatible: {e}") from e
     return info
+
+
+def _ask(
+    sock: zmq.Socket[bytes], req: HandshakeRequest, deadline: float, where: str, timeout_s: float
+) -> HandshakeReply:
+    """One round trip; raises HandshakeError for no answer in time, garbage or a refusal."""
+    sock.send(_encoder.encode(req))
+    left = deadline - time.monotonic()
+    if left <= 0 or not sock.poll(int(left * 1000)):
+        raise HandshakeError(f"no handshake answer from {where} in {timeout_s:.1f}s")
+    try:
+        reply = _reply_decoder.decode(sock.recv())
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise HandshakeError(f"malformed handshake reply from {where}: {e}") from e
+    if reply.error is not None:
+        raise HandshakeError(f"{where} refused the handshake: {reply.error}")
+    return reply

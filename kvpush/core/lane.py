@@ -24,6 +24,7 @@ import os
 import re
 import socket
 import stat
+import time
 import uuid
 from collections import deque
 from typing import Any
@@ -36,6 +37,8 @@ log = logging.getLogger(__name__)
 
 LANE_DIR = "/dev/shm"
 NAME_RE = re.compile(r"kvpush-lane-[0-9a-f]{32}")
+HALF_RE = re.compile(r"kvpush-lane-[0-9a-f]{32}\.new")  # made, not yet locked and renamed
+HALF_GRACE_S = 60.0  # a half-made lane this old has no owner any more (it is made in ms)
 MAX_SLOTS = 1 << 20
 _VECTOR_FROM = 16  # waiting words checked one by one below this, with numpy above
 
@@ -61,21 +64,26 @@ def lane_path(name: str) -> str:
 def remove_stale_lanes(directory: str = LANE_DIR) -> list[str]:
     """Unlink our user's lanes whose owner is gone (a decoder killed before its cleanup):
     a live owner holds an exclusive lock on its lane for as long as it runs, in any pid
-    namespace. Returns the names removed."""
+    namespace. Half-made ones (``.new``: the owner died between creating and renaming
+    it) go too once unlocked and older than HALF_GRACE_S. Returns the names removed."""
     removed: list[str] = []
     try:
-        names = [n for n in os.listdir(directory) if NAME_RE.fullmatch(n)]
+        names = [n for n in os.listdir(directory) if NAME_RE.fullmatch(n) or HALF_RE.fullmatch(n)]
     except OSError:
         return removed
+    now = time.time()
     for name in names:
         path = os.path.join(directory, name)
         try:
-            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK)
         except OSError:
             continue  # gone meanwhile, or another user's
         try:
-            if os.fstat(fd).st_uid != os.getuid():
+            st = os.fstat(fd)
+            if st.st_uid != os.getuid() or not stat.S_ISREG(st.st_mode):
                 continue
+            if HALF_RE.fullmatch(name) and now - st.st_mtime < HALF_GRACE_S:
+                continue  # may be in the making (unlocked for a moment)
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             continue  # locked: its owner is alive
@@ -90,6 +98,44 @@ def remove_stale_lanes(directory: str = LANE_DIR) -> list[str]:
     return removed
 
 
+def _made_locked(path: str, size: int) -> int:
+    """The fd of a new file at ``path``, locked and ``size`` bytes long, never visible
+    under ``path`` unlocked. Where the kernel cannot make a nameless file (O_TMPFILE), it
+    is made as ``path.new`` (remove_stale_lanes clears those a crash leaves)."""
+    directory = os.path.dirname(path)
+    try:
+        fd = os.open(directory, os.O_TMPFILE | os.O_RDWR, 0o600)
+    except (AttributeError, OSError):
+        fd = -1
+    if fd >= 0:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.ftruncate(fd, size)
+            # linkat(AT_SYMLINK_FOLLOW) (a dir fd makes Python call it): a crash before
+            # this leaves nothing behind.
+            dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                name = os.path.basename(path)
+                os.link(f"/proc/self/fd/{fd}", name, dst_dir_fd=dir_fd, follow_symlinks=True)
+            finally:
+                os.close(dir_fd)
+            return fd
+        except OSError as e:
+            os.close(fd)
+            log.debug("nameless lane file failed (%s); making it under a temporary name", e)
+    tmp = f"{path}.new"
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.ftruncate(fd, size)
+        os.rename(tmp, path)
+    except BaseException:
+        os.unlink(tmp)  # (a full /dev/shm, an interrupt) leave nothing behind
+        os.close(fd)
+        raise
+    return fd
+
+
 class CompletionLane:
     """D's lane: reserve a word per (registration, P rank), see which were written."""
 
@@ -99,20 +145,16 @@ class CompletionLane:
         remove_stale_lanes()
         self.name = f"kvpush-lane-{uuid.uuid4().hex}"
         self.path = lane_path(self.name)
-        # Made under a name no one looks for, locked, then renamed: a lane under its real
-        # name is always locked by a live owner (remove_stale_lanes relies on it).
-        tmp = f"{self.path}.new"
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        # A lane under its real name is always locked by a live owner (remove_stale_lanes
+        # relies on it): made nameless, locked and sized, then linked under its name.
+        self._fd = _made_locked(self.path, slots * 8)  # held open: the lane is in use
+        fd = self._fd
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            os.ftruncate(fd, slots * 8)
             self._mm = mmap.mmap(fd, slots * 8)
-            os.rename(tmp, self.path)
         except OSError:
-            os.unlink(tmp)  # (a full /dev/shm) leave nothing behind
+            os.unlink(self.path)
             os.close(fd)
             raise
-        self._fd = fd  # held open: its lock says the lane is in use
         self._words: Any = memoryview(self._mm).cast("Q")  # one word: a plain int read
         self._array: Any = np.frombuffer(self._mm, dtype=np.uint64)
         self._free: deque[int] = deque(range(slots))

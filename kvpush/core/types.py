@@ -10,6 +10,7 @@ from typing import Any
 from kvpush.core import trace
 from kvpush.core.errors import ConfigError
 from kvpush.core.lane import MAX_SLOTS
+from kvpush.core.secret import Secret, as_secret
 
 log = logging.getLogger("kvpush.transfer")
 
@@ -148,11 +149,13 @@ class WorkerConfig:
     # hook: same-host copies report their end there. 0: no lane (completions over NIXL).
     lane_slots: int = 1 << 16
     # Trust: P pushes only to decoders whose side channel ("host:port") is listed (None:
-    # any), and with a shared secret every handshake peer must prove it holds the same.
+    # any), and with a shared secret every handshake peer must prove it holds the same
+    # (given as bytes or str, kept as a Secret: no repr or log line shows it).
     trusted_decoders: frozenset[str] | None = None
-    shared_secret: bytes | None = field(default=None, repr=False)
+    shared_secret: Secret | bytes | str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
+        self.shared_secret = as_secret(self.shared_secret)
         if not self.engine_id:
             raise ConfigError("engine_id must not be empty")
         if not 0 < self.port < 65536:

@@ -28,7 +28,13 @@ import numpy as np
 from kvpush.core import wire
 from kvpush.core.consumer import Consumer
 from kvpush.core.errors import KVPushError, TransportError, WireError
-from kvpush.core.handshake import PROTOCOL_VERSION, AgentInfo, SideChannelServer, fetch_agent_info
+from kvpush.core.handshake import (
+    PROTOCOL_VERSION,
+    AgentInfo,
+    AgentSet,
+    SideChannelServer,
+    fetch_agent_info,
+)
 from kvpush.core.lane import CompletionLane, host_identity
 from kvpush.core.layout import KVLayout, block_descs, group_limits, same_block_shape
 from kvpush.core.peer_copy import PeerCopyHook
@@ -132,7 +138,11 @@ class PushWorker:
         self._writer_idle = False
         self._lanes_only = False  # inline: only lane words are awaited (see _timeout)
         self._writer_running = True  # cleared by the writer thread as it exits
-        self._server = SideChannelServer(config.host, config.port, self.info, config.shared_secret)
+        # With a secret: the agents that proved it to us, either way (see _poll_notifs).
+        self.authenticated = AgentSet()
+        self._server = SideChannelServer(
+            config.host, config.port, self.info, config.shared_secret, self.authenticated.add
+        )
         # writer="inline": the engine thread ticks in start_step / get_finished instead.
         self.inline = config.writer == "inline"
         self._next_tick = 0.0  # inline: when get_finished must tick even if idle
@@ -294,6 +304,7 @@ class PushWorker:
                 self.config.handshake_timeout_s,
                 None,  # layouts are checked per direction on the writer (pairs_to / check_from)
                 secret=self.config.shared_secret,
+                agent=self.info.agent_name,  # the name the peer will hear us under
             )
             self._hs_futures[key] = fut
             self.stats["handshakes"] += 1
@@ -314,6 +325,7 @@ class PushWorker:
         if peer is not None:
             return peer
         info = fut.result()
+        self.authenticated.add(info.agent_name)  # it proved the secret, if we have one
         old = self.peers_by_agent.get(info.agent_name)
         if old is not None:  # same agent reached under another address
             self.peers[key] = old
@@ -472,6 +484,8 @@ class PushWorker:
             return 0
         now = time.monotonic()
         for sender, raw in notifs:
+            if self.config.shared_secret is not None and not self._authentic(sender):
+                continue
             self.heard[sender] = now
             try:
                 msg = wire.decode(raw)
@@ -481,6 +495,17 @@ class PushWorker:
                 continue
             self._guard(self._dispatch, sender, msg)
         return len(notifs)
+
+    def _authentic(self, sender: str) -> bool:
+        """With a secret: did the sender prove it in a handshake with us, either way (our
+        peers did, through our verified fetch)? If not, its notification is dropped."""
+        if sender in self.peers_by_agent or sender in self.authenticated:
+            return True
+        self.stats["notif_unauthenticated"] += 1
+        n = self.stats["notif_unauthenticated"]
+        if n <= 10 or n % 1000 == 0:
+            log.warning("notification from unauthenticated agent %r dropped (#%d)", sender, n)
+        return False
 
     def _dispatch(self, sender: str, msg: wire.Message) -> None:
         if isinstance(msg, wire.PushReg):
@@ -504,4 +529,5 @@ class PushWorker:
             "pending_registrations": len(self.producer.pending_regs),
             "writing": len(self.producer.writing),
             "receiving": self.consumer.outstanding(),
+            **{f"handshake_refused_{k}": v for k, v in self._server.refused.items()},
         }

@@ -58,6 +58,7 @@ def render(data: dict[str, Any]) -> str:
     out += _faults(data.get("faults"))
     out += _soak(data.get("soak"))
     out += _fuzz(data.get("fuzz"))
+    out += TRUST
     out += LIMITS
     return "\n".join(out) + "\n"
 
@@ -171,6 +172,40 @@ def _fuzz(entry: dict[str, Any] | None) -> list[str]:
     return out
 
 
+TRUST = [
+    "## Trust: who gets the handshake answer",
+    "",
+    "With `KVPUSH_SHARED_SECRET` set (README, Trust). Checked by",
+    "`tests/integration/test_auth.py` against real P, D and exporter processes (real NIXL;",
+    "the exporter's answer holds CUDA IPC handle bytes), asserting on every byte the rogue",
+    "received, and by `tests/unit/test_handshake.py` / `test_trust.py`.",
+    "",
+    "| case | the rogue | it receives | counted as | honest peers |",
+    "|---|---|---|---|---|",
+    "| no secret | says hello, answers the challenge without a MAC | a challenge and a "
+    "short refusal: no NIXL metadata, no IPC handle bytes, no agent name | "
+    "`handshake_refused_no_secret` | push, verified byte for byte |",
+    "| wrong secret | answers the challenge with a MAC under another secret | the same | "
+    "`handshake_refused_bad_mac` | push |",
+    "| replayed exchange | replays, byte for byte, what D sent in a captured honest handshake "
+    "| a fresh challenge and a refusal (the captured challenge was used) | "
+    "`handshake_refused_replay` | push |",
+    "| expired challenge | answers a challenge after its 10 s | a refusal | "
+    "`handshake_refused_replay` | - |",
+    "| old protocol, garbage, several frames, over 4 KiB | sends it | a short refusal "
+    "(a version-1 client reads it as one) | `version`, `malformed`, `oversized` | - |",
+    "| server without the proof | answers the info without a challenge, or a bad MAC | "
+    "(the client) accepts nothing: the handshake fails | - | - |",
+    "| forged notifications | a NIXL agent holding P's and D's metadata but no handshake sends "
+    "`PUSH_REG`, `PUSH_CANCEL`, heartbeats to P and a completion and `PUSH_FAIL` to D | "
+    "nothing acted on: P keeps no forged registration, D's receive is not ended | "
+    "`notif_unauthenticated` | the push completes, verified |",
+    "| no secret configured | anyone reaching the port | the whole answer, as before; a "
+    "start-up warning says so | - | - |",
+    "",
+]
+
+
 LIMITS = [
     "## Known limits",
     "",
@@ -186,11 +221,12 @@ LIMITS = [
     "  match for `registration_ttl_s`. With `trusted_decoders` set, P refuses (and never",
     "  contacts) any decoder address not on the list, before storing anything; without it,",
     "  any sender's registration is kept until its TTL and its address is handshaken.",
-    "- **Notifications are not authenticated one by one.** Peers are: with a shared secret",
-    "  each handshake answer carries an HMAC over the asker's nonce, so only peers holding the",
-    "  secret are ever connected to. But a completion or `PUSH_FAIL` under a connected P",
-    "  agent's name is believed: the fuzzer sends some for D's live receives, and D ends them",
-    "  (done without data, or failed). No crash and no WRITE follow.",
+    "- **Notifications are not authenticated one by one.** Agents are: with a shared secret",
+    "  both sides of a handshake prove it, and notifications are acted on only from agent",
+    "  names that did. But a completion or `PUSH_FAIL` under an authenticated P agent's name",
+    "  is believed: the fuzzer sends some for D's live receives, and D ends them (done without",
+    "  data, or failed). No crash and no WRITE follow. Sending under such a name takes that",
+    "  agent's NIXL metadata, which the side channel gives only to holders of the secret.",
     "- **vLLM servers killed mid-request** are covered by `tests/e2e/test_vllm_faults.py`",
     "  (not by this script): a killed decoder gives the client an error within the router's",
     "  timeout and the prefiller frees its blocks within the lease; a killed prefiller fails",

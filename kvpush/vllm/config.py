@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from kvpush.core.errors import ConfigError
 from kvpush.core.lane import MAX_SLOTS
+from kvpush.core.secret import Secret
 
 ENV_HOST = "KVPUSH_SIDE_CHANNEL_HOST"
 ENV_PORT = "KVPUSH_SIDE_CHANNEL_PORT"
@@ -42,7 +43,8 @@ class ConnectorOptions:
     # requests whose prompt is prefilled in one step; "finished" after vLLM finished it.
     hand_over: str = "forward"
     trusted_decoders: str = ""  # "host:port,host:port" of decoder side channels; empty: any
-    shared_secret: str = ""
+    # From KVPUSH_SHARED_SECRET only; a Secret, so no repr (vLLM prints this) shows it.
+    shared_secret: Secret | None = field(default=None, repr=False, compare=False)
 
     @property
     def trusted(self) -> frozenset[str] | None:
@@ -50,8 +52,8 @@ class ConnectorOptions:
         return frozenset(names) if names else None
 
     @property
-    def secret(self) -> bytes | None:
-        return self.shared_secret.encode() if self.shared_secret else None
+    def secret(self) -> Secret | None:
+        return self.shared_secret
 
     @classmethod
     def parse(
@@ -72,9 +74,9 @@ class ConnectorOptions:
                     f"known: {', '.join(sorted(known))}"
                 )
             values[key] = ",".join(map(str, value)) if isinstance(value, list) else value
-        if env.get(ENV_SECRET):
-            values["shared_secret"] = env[ENV_SECRET]
         out: dict[str, Any] = {}
+        if env.get(ENV_SECRET):
+            out["shared_secret"] = Secret(env[ENV_SECRET])
         for key, value in values.items():
             kind = type(getattr(cls, key))
             try:

@@ -22,6 +22,7 @@ pytestmark = pytest.mark.e2e
 BLOCK = 128  # vLLM's CPU block size
 BYTES_PER_BLOCK = 2 * 64 * 1024  # tiny model: 2 layers x one 64 KiB block each
 EARLY = "vllm:kvpush_early_hand_overs_total"
+SECRET = "e2e-shared-secret-4d0c2a9e"  # P and D prove it to each other at every handshake
 
 
 @dataclass
@@ -61,7 +62,10 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     finally:
         plain.stop()
     assert all(r.ok for r in reference.values()), reference
-    with Cluster(model, str(work)) as cluster:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("KVPUSH_SHARED_SECRET", SECRET)  # the servers inherit the environment
+        cluster = Cluster(model, str(work))
+    with cluster:
         yield {"model": model, "cluster": cluster, "reference": reference}
 
 
@@ -119,3 +123,12 @@ def test_no_blocks_held_afterwards(env: dict[str, Any]) -> None:
         assert time.monotonic() < deadline, f"KV cache still in use: P, D = {usage}"
         time.sleep(0.2)
     assert metric(c.p.url, "vllm:kvpush_push_failures_total") == 0
+
+
+def test_the_secret_shows_in_no_server_log(env: dict[str, Any]) -> None:
+    c: Cluster = env["cluster"]
+    for server in (c.p, c.d):
+        text = server.log_path.read_text(errors="replace")
+        assert "KVPushConnector" in text  # vLLM printed its config, kvpush's options included
+        assert SECRET not in text
+        assert "no shared secret" not in text  # both side channels run with the secret
