@@ -23,6 +23,7 @@ Every server gets its own core for its OpenMP threads and ``--no-enable-prefix-c
 from __future__ import annotations
 
 import json
+import signal
 import threading
 import time
 import urllib.error
@@ -49,6 +50,7 @@ LABELS = {
     "plain": "one plain vLLM server (no disaggregation)",
     "kvpush": "kvpush (router, both legs at once)",
     "kvpush-finished": "kvpush, pushing after vLLM finished the request (hand_over: finished)",
+    "kvpush-normal-priority": "kvpush, its copy stream at normal priority",
     "push": "vLLM NixlPushConnector (client, both legs at once)",
     "pull": "vLLM NixlConnector (client, prefill then decode)",
 }
@@ -99,6 +101,16 @@ class Pair(ABC):
             proc.stop()
         self.procs = []
 
+    def pause(self) -> None:
+        """Freeze every process (SIGSTOP): an idle contender's spinning threads must not
+        take CPU from the one being measured. ``resume`` before sending to it."""
+        for proc in self.procs:
+            proc.send(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        for proc in self.procs:
+            proc.send(signal.SIGCONT)
+
     def pids(self) -> list[int]:
         return [p.popen.pid for p in self.procs if p.alive()]
 
@@ -122,11 +134,13 @@ class Pair(ABC):
     def device(self) -> str:
         return str(self.spec.get("device") or default_device())
 
+    extra_env: dict[str, str] = {}  # for every server of this pair (read only)
+
     def _server(
         self, name: str, kv: dict[str, Any] | None, core: int, env: dict[str, str]
     ) -> VllmServer:
         extra = dict(self.spec)
-        env = {**extra.pop("env", {}), **env}
+        env = {**self.extra_env, **extra.pop("env", {}), **env}
         spec = ServerSpec(
             name, self.model, kv_config=kv, core=core, env=env, log_dir=self.log_dir, **extra
         )
@@ -152,6 +166,7 @@ def _stream(
         timeout=timeout,
         headers=headers,
         extra=body,
+        token_ids=False,
     )
     ok = r.ok and r.ttft_s > 0
     error = r.error or ("" if ok else "no token")
@@ -303,12 +318,20 @@ class KvpushFinishedPair(KvpushPair):
     options = {"hand_over": "finished"}
 
 
+class KvpushNormalPriorityPair(KvpushPair):
+    """kvpush with its copy stream at normal priority (A/B of the high-priority stream)."""
+
+    name = "kvpush-normal-priority"
+    extra_env = {"KVPUSH_COPY_PRIORITY": "normal"}
+
+
 def make_pair(name: str, model: str, log_dir: str, **spec: Any) -> Pair:
     """A pair by configuration name; ``spec``: further ServerSpec fields for its servers."""
     kinds: dict[str, type[Pair]] = {
         "plain": PlainPair,
         "kvpush": KvpushPair,
         "kvpush-finished": KvpushFinishedPair,
+        "kvpush-normal-priority": KvpushNormalPriorityPair,
         "push": InTreePushPair,
         "pull": PullPair,
     }

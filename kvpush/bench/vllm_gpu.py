@@ -1,8 +1,11 @@
 """Real vLLM on a GPU: TTFT of one plain server and of P/D pairs, side by side in one run.
 
 Every contender (``--configs``: plain, kvpush, push, pull; see kvpush.bench.pairs) is
-started at once on the same GPU (P and D of a pair share it), gets the same warm-up, and
-then the same prompts, one contender at a time, in rounds whose order rotates. A cell is
+started at once on the same GPU (P and D of a pair share it), then all are frozen
+(SIGSTOP) and measured one at a time: resumed, warmed up the same way, sent the same
+prompts, frozen again (idle in-tree pairs keep NIXL progress threads spinning, which
+slowed whichever contender was measured beside them by up to 1.6x), in rounds whose
+order rotates. Decode steps run as CUDA graphs (``--eager``: none), for every server. A cell is
 (prompt size, concurrency): ``concurrency`` requests sent at once and waited for (a
 batch), repeated. Every request
 is recorded; a failed one is counted and kept out of the percentiles, never dropped
@@ -32,8 +35,6 @@ from kvpush.bench.stats import ratio, summary
 from kvpush.core import trace
 from kvpush.tiny_model import make_tiny_model
 
-PAIRS = ("kvpush", "push", "pull")
-
 
 def _log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
@@ -57,7 +58,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--server-args", default="", help="extra vLLM flags for every server (one string)"
     )
-    p.add_argument("--cuda-graphs", action="store_true", help="decode steps as CUDA graphs")
+    p.add_argument("--eager", action="store_true", help="no CUDA graphs (vLLM --enforce-eager)")
     p.add_argument("--device", default="cuda", help="cpu: a smoke run of this script")
     p.add_argument("--trace", action="store_true", help="kvpush stage marks per request")
     p.add_argument("--kvpush-options", default="{}", help="JSON: kv_connector_extra_config")
@@ -75,7 +76,7 @@ def _spec(args: argparse.Namespace) -> dict[str, Any]:
         return {"device": "cpu", "max_model_len": args.max_model_len, **extra}
     return {
         **extra,
-        "cuda_graphs": args.cuda_graphs,
+        "cuda_graphs": not args.eager,
         "device": "cuda",
         "max_model_len": args.max_model_len,
         "max_num_seqs": 16,
@@ -135,6 +136,16 @@ def send_batch(pair: Pair, prompts: list[list[int]], args: argparse.Namespace) -
     return [s if s is not None else Sample(False, error="no answer") for s in got]
 
 
+def warm_up(pair: Pair, sizes: tuple[int, ...], concs: tuple[int, ...], ns: Any) -> None:
+    """The same for every contender at every activation: ``--warmup`` requests of each
+    size one at a time, then one batch of each concurrency (prompts never measured)."""
+    for size in sizes:
+        for prompt in prompts_for(-1, size, ns.warmup, ns.seed):
+            pair.send(prompt, ns.max_tokens, ns.timeout)
+        for c in concs:
+            send_batch(pair, prompts_for(-2, size, c, ns.seed), ns)
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     configs = [c for c in args.configs.split(",") if c]
     sizes, concs = _ints(args.sizes), _ints(args.concurrency)
@@ -149,16 +160,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     records: list[dict[str, Any]] = []
     samples: dict[tuple[str, int, int], list[Sample]] = {}
     try:
-        for cfg in configs:  # the same warm-up for every contender
-            for size in sizes:
-                for prompt in prompts_for(-1, size, args.warmup, args.seed):
-                    pairs[cfg].send(prompt, args.max_tokens, args.timeout)
-                for c in concs:
-                    send_batch(pairs[cfg], prompts_for(-2, size, c, args.seed), args)
-        _log("warm-up done")
+        for pair in pairs.values():
+            pair.pause()
         for r in range(args.rounds):
             k = r % len(configs)
             for cfg in configs[k:] + configs[:k]:
+                pairs[cfg].resume()
+                warm_up(pairs[cfg], sizes, concs, args)
                 for size in sizes:
                     for c in concs:
                         n = -(-args.requests // c) * c
@@ -183,12 +191,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                             f"r{r + 1} {cfg:7} {size:>5} tok c={c}: {len(ok)}/{n} ok, "
                             f"TTFT p50 {med} ms"
                         )
+                pairs[cfg].pause()
     finally:
         for pair in pairs.values():
             pair.stop()
     result = aggregate(samples, configs, sizes, concs)
-    result["options"] = {k: v for k, v in vars(args).items()}
     result["labels"] = {c: LABELS[c] for c in configs}
+    result["options"] = {k: v for k, v in vars(args).items()}
     result["samples"] = records
     if args.trace and (out / "trace").is_dir():
         events = trace.read(str(out / "trace"))
@@ -247,7 +256,7 @@ def plot(result: dict[str, Any], path: str) -> None:
     cells = result["cells"]
     concs = sorted({v["concurrency"] for v in cells.values()})
     sizes = sorted({v["size"] for v in cells.values()})
-    configs = [c for c in ("plain", *PAIRS) if any(c in v for v in cells.values())]
+    configs = list(result["labels"])
     fig, axes = plt.subplots(1, len(concs), figsize=(6 * len(concs), 4), squeeze=False)
     width = 0.8 / len(configs)
     for ax, c in zip(axes[0], concs, strict=True):

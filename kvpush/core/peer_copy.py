@@ -165,9 +165,10 @@ class PeerCopyHook(Protocol):
 
         ``after``: device work our blocks' bytes are final after (``StagedBlocks.after``);
         the copy must not read them before it is done (queue behind it, or wait for it).
-        True: the copy runs on, and writes ``dst.signal`` once every byte has landed
-        (``finished`` says when). False: the copy was waited for (no signal). Raises,
-        having written nothing, when it cannot start.
+        True: the copy runs on, and writes ``dst.signal`` once every byte has landed.
+        False: it runs on without writing a signal (there is none); the producer then
+        notifies the peer once ``finished`` says it is over. Either way ``launch`` does
+        not wait for the copy. Raises, having written nothing, when it cannot start.
         """
         ...
 

@@ -100,7 +100,8 @@ class PushTransfer:
     handle: Any = None
     armed: Armed | None = None  # the direct copy prepared at registration, if any
     early: Launched | None = None  # launched before this leg existed (_launch_armed)
-    copy: object | None = None  # a launched direct copy that reports its end in D's lane
+    copy: object | None = None  # a launched direct copy, until it is over
+    notify: bool = False  # the copy writes no lane word: P sends the completion after it
     cancelled: bool = False  # D cancelled while the WRITE was in flight
     rechecked: bool = False  # the decoder's address was handshaken again (restart)
     staged_at: float = field(default_factory=time.monotonic)
@@ -123,6 +124,7 @@ class Producer:
         self.by_prid: dict[str, PRequest] = {}
         self.by_dkey: dict[DKey, PushTransfer] = {}
         self.writing: dict[int, PushTransfer] = {}  # by id() of the leg
+        self.settling: dict[int, PushTransfer] = {}  # WRITEs waiting for their blocks' event
         self.tombstones: dict[DKey, float] = {}  # cancelled registrations, until expiry
         self.evicted_unknown: set[str] = set()  # evicted before their blocks reached us
         self.outbox: dict[tuple[str, int], list[wire.Message]] = defaultdict(list)
@@ -416,7 +418,9 @@ class Producer:
                     ids, nbytes = copy_src(self.w.limits, armed.dst, src_groups)
                     self._copy(t, peer, armed, ids, nbytes)
                     return
-            self._settled(t)  # NIXL and the staging gather read the bytes as they are
+            if not self._settled(t):  # NIXL and the staging gather read the bytes as they are
+                self.settling[id(t)] = t  # check_writes posts it once the event is done
+                return
             src, dst, staged = self._descriptors(t, peer, reg, src_groups)
         except (LayoutError, wire.WireError) as e:
             self.w.stats["reg_invalid"] += 1
@@ -523,12 +527,16 @@ class Producer:
         self._copied(t, peer, armed.handle, src, nbytes, signalled)
 
     @staticmethod
-    def _settled(t: PushTransfer) -> None:
-        """Wait until the device work P's blocks follow (``StagedBlocks.after``) is done."""
+    def _settled(t: PushTransfer) -> bool:
+        """True once the device work P's blocks follow (``StagedBlocks.after``) is done:
+        asked by query, never waited for (this may be the engine's thread)."""
         preq = t.preq
-        if preq is not None and preq.after is not None:
-            preq.after.synchronize()
-            preq.after = None
+        if preq is None or preq.after is None:
+            return True
+        if not preq.after.query():
+            return False
+        preq.after = None
+        return True
 
     def _copied(
         self,
@@ -539,30 +547,33 @@ class Producer:
         nbytes: int,
         signalled: bool,
     ) -> None:
-        """A launched copy: wait for its lane word (signalled) or send the completion."""
+        """A launched copy: polled until over (lane word or stream); then, without a lane
+        word, P sends the completion (_notify_copied)."""
         assert t.reg is not None
         self.w.stats["copies"] += 1
         self.w.stats["copy_blocks"] += sum(len(g) for g in src)
         self.w.stats["write_bytes"] += nbytes
-        if signalled:
-            t.copy = handle
-            self.writing[id(t)] = t
-            transition(t, State.WRITING, t.name, "copy launched; it reports its end to D")
-            return
-        transition(t, State.WRITING, t.name, "copied directly")
+        t.copy, t.notify = handle, not signalled
+        self.writing[id(t)] = t
+        why = "it reports its end to D" if signalled else "P notifies D at its end"
+        transition(t, State.WRITING, t.name, f"copy launched; {why}")
+
+    def _notify_copied(self, t: PushTransfer) -> bool:
+        """A copy without a lane word is over: tell D (False, and failed, if we cannot)."""
+        assert t.reg is not None
+        peer = self.w.peers_by_agent.get(t.sender)
         notif = wire.encode_completion(t.reg.request_id, self.w.config.tp_size)
         try:
+            if peer is None:
+                raise TransportError(f"decoder {t.sender} is gone")
             self.w.transport.send_notif(peer.agent, notif)
         except TransportError as e:
             self.w.stats["write_failed"] += 1
-            if isinstance(e, PeerGoneError):
+            if isinstance(e, PeerGoneError) and peer is not None:
                 self.w.forget_peer(peer.agent)
             self._fail(t, peer, f"completion could not be sent: {e}")
-            return
-        transition(t, State.DONE, t.name)
-        self.w.stats["copies_done"] += 1
-        self._observe(t)
-        self._finish(t)
+            return False
+        return True
 
     def _observe(self, t: PushTransfer) -> None:
         """push_seconds: from the blocks' hand-over to P seeing the push end."""
@@ -592,8 +603,14 @@ class Producer:
         )
 
     def check_writes(self) -> int:
-        """End the WRITEs and launched copies that are over; returns how many."""
+        """Post the WRITEs whose blocks' device work ended; end the WRITEs and launched
+        copies that are over. Returns how many changed."""
         changed = 0
+        for key, t in list(self.settling.items()):
+            if t.state in ENDED or self._settled(t):
+                del self.settling[key]
+                changed += 1
+                self._push(t)  # (drops it if it ended meanwhile)
         for t in list(self.writing.values()):
             state = self._copy_state(t) if t.copy is not None else self._write_state(t)
             if state is WriteState.PENDING:
@@ -602,6 +619,8 @@ class Producer:
             del self.writing[id(t)]
             what = "copies" if t.copy is not None else "writes"
             t.copy = None
+            if state is WriteState.DONE and t.notify and not self._notify_copied(t):
+                continue
             if state is WriteState.DONE:
                 transition(t, State.DONE, t.name)
                 self.w.stats[f"{what}_done"] += 1

@@ -49,6 +49,7 @@ log = logging.getLogger(__name__)
 PeerKey = tuple[str, int]
 MAX_OBSERVED = 10_000
 LANE_TICK_S = 1e-3  # inline, only lane words awaited: the full tick at most this often
+KEEPER_S = 0.02  # inline: the keeper polls when the engine made no call for this long
 
 
 @dataclass
@@ -151,10 +152,15 @@ class PushWorker:
         self._early: set[str] = set()
         self._kept: set[str] = set()
         self._sent_now: set[str] = set()  # confirmed after they were sent: next get_finished
+        # Inline: the engine thread and the keeper take turns under this lock.
+        self._lock = threading.Lock()
+        self._engine_seen = time.monotonic()  # inline: the engine's last call
         self._thread: threading.Thread | None = None
         if not self.inline:
             self._thread = threading.Thread(target=self._run, name="kvpush-writer", daemon=True)
-            self._thread.start()
+        else:
+            self._thread = threading.Thread(target=self._keep, name="kvpush-keeper", daemon=True)
+        self._thread.start()
 
     # ---- engine thread -------------------------------------------------------------------
 
@@ -163,6 +169,11 @@ class PushWorker:
         if not meta:
             return  # (get_finished, called every step too, checks the writer is alive)
         self._check_alive()
+        with self._lock:
+            self._engine_seen = time.monotonic()
+            self._start_step(meta)
+
+    def _start_step(self, meta: StepMeta) -> None:
         for rid in meta.confirmed:
             if rid in self._kept:
                 self._kept.discard(rid)
@@ -192,10 +203,11 @@ class PushWorker:
         if not early:
             return
         self._check_alive()
-        self.stats["handed_over"] += len(early)
-        self._early.update(s.request_id for s in early)
-        self._take_finished(early)
-        self._kick()
+        with self._lock:
+            self.stats["handed_over"] += len(early)
+            self._early.update(s.request_id for s in early)
+            self._take_finished(early)
+            self._kick()
 
     def _take_finished(self, finished: list[StagedBlocks]) -> None:
         """Finished blocks to the producer: directly (inline) or through its inbox."""
@@ -216,14 +228,9 @@ class PushWorker:
         """Collect what finished since the last call; wakes the writer to poll unless idle."""
         self._check_alive()
         if self.inline:
-            # A lane word is a memory read: look every call (the tick reads the lane
-            # first). The whole tick runs every call while anything else is outstanding,
-            # else when woken or due.
-            busy = not self._writer_idle and not self._lanes_only
-            if busy or self._wake.is_set() or time.monotonic() >= self._next_tick:
-                self._inline_tick()
-            elif self.lane is not None and self.lane.waiting:
-                self.consumer.poll_lane()
+            with self._lock:
+                self._engine_seen = time.monotonic()
+                self._inline_poll()
         out = WorkerOutput()
         if self._sent_now:
             out.finished_sending, self._sent_now = self._sent_now, set()
@@ -247,6 +254,30 @@ class PushWorker:
             self._wake.set()
         return out
 
+    def _inline_poll(self) -> None:
+        """writer="inline", under the lock. A lane word is a memory read: look every call
+        (the tick reads the lane first). The whole tick runs every call while anything
+        else is outstanding, else when woken or due."""
+        busy = not self._writer_idle and not self._lanes_only
+        if busy or self._wake.is_set() or time.monotonic() >= self._next_tick:
+            self._inline_tick()
+        elif self.lane is not None and self.lane.waiting:
+            self.consumer.poll_lane()
+
+    def _keep(self) -> None:
+        """writer="inline": poll in the engine's place while it makes no calls (idle, or
+        in a long step), so registrations are read and heartbeats, leases and the
+        watchdog keep their cadence. Silent while the engine calls often."""
+        try:
+            while not self._stop.wait(KEEPER_S):
+                if time.monotonic() - self._engine_seen < KEEPER_S:
+                    continue
+                with self._lock:
+                    if not self._stop.is_set():
+                        self._inline_poll()
+        finally:
+            self._writer_running = False
+
     def shutdown(self) -> None:
         self._stop.set()
         self._wake.set()
@@ -259,7 +290,7 @@ class PushWorker:
             self.lane.close()
 
     def writer_alive(self) -> bool:
-        """The writer thread runs (always True for writer="inline")."""
+        """The writer thread (or, inline, the keeper thread) runs."""
         return self._thread is None or self._thread.is_alive()
 
     def _check_alive(self) -> None:
@@ -463,7 +494,7 @@ class PushWorker:
         idle = lanes = False
         if self.producer.has_unmatched():
             wait = cfg.match_poll_s
-        elif self.producer.writing or self._hs_futures:
+        elif self.producer.writing or self.producer.settling or self._hs_futures:
             wait = self._poll_s
         elif self.consumer.outstanding():
             # Inline, get_finished reads the lane every call: while only lane words are

@@ -156,6 +156,7 @@ class Proc:
 
     def stop(self, timeout: float = 20.0) -> None:
         if self.alive():
+            self._signal(signal.SIGCONT)  # a paused process handles nothing else
             self._signal(signal.SIGTERM)
             try:
                 self.popen.wait(timeout)
@@ -168,6 +169,10 @@ class Proc:
         if self.alive():
             self._signal(signal.SIGKILL)
             self.popen.wait(10)
+
+    def send(self, sig: int) -> None:
+        """Send ``sig`` to the whole process group (the server and its children)."""
+        self._signal(sig)
 
     def _signal(self, sig: int) -> None:
         try:

@@ -278,7 +278,12 @@ class CudaPeerCopy:
             module = cupy.RawModule(code=_KERNEL)
             self._kernel = module.get_function("kvpush_piece_copy")
             self._signal = module.get_function("kvpush_lane_word")
-            self.stream = cupy.cuda.Stream(non_blocking=True)
+            # The copy ahead of this process's own queued work (the next prefill): a
+            # decoder waits for it. KVPUSH_COPY_PRIORITY=normal for the A/B measurement.
+            prio = None
+            if os.environ.get("KVPUSH_COPY_PRIORITY", "high") != "normal":
+                prio = cupy.cuda.runtime.deviceGetStreamPriorityRange()[1]
+            self.stream = cupy.cuda.Stream(non_blocking=True, priority=prio)
             self._counter = cupy.zeros(1, dtype=cupy.uint64)  # fused copies' blocks done, ever
             self._counter_at = int(self._counter.data.ptr)
             # The CUfunctions, to launch through the driver (None: through CuPy).
@@ -425,16 +430,13 @@ class CudaPeerCopy:
             after.synchronize()
 
     def _launched(self, prep: _Prepared, t0: float, t1: float) -> bool:
-        """After a launch: its times; True with a lane word, else waited for (False)."""
+        """After a launch: its times; True with a lane word (never waits: without one,
+        the producer polls ``finished`` and then notifies)."""
         t2 = time.perf_counter()
         self.stats["copies"] += 1
         self.times["table"].append((t1 - t0) * 1e6)
         self.times["launch"].append((t2 - t1) * 1e6)
-        if prep.word:
-            return True
-        self._drv.wait(self._stream)  # every byte is in D's blocks before the completion
-        self.times["wait"].append((time.perf_counter() - t2) * 1e6)
-        return False
+        return bool(prep.word)
 
     def _build_args(self, prep: _Prepared) -> None:
         route = prep.route

@@ -41,7 +41,11 @@ SPEC = {
     "max_num_batched_tokens": MAX_LEN,
     "gpu_memory_utilization": 0.1,
     "kv_cache_bytes": 4 << 30,
+    "cuda_graphs": True,  # as users run vLLM: decode steps as CUDA graphs
 }
+# Random weights give flat logits: a batch of another size (its own kernels and CUDA
+# graph) can flip a greedy choice between two tokens whose logprobs lie this close.
+NEAR_TIE = 0.05
 
 
 def ids(n: int, seed: int) -> list[int]:
@@ -83,23 +87,52 @@ def send(url: str, model: str, case: Case, **kw: Any) -> Reply:
     )
 
 
-def pull(p_url: str, d_url: str, model: str, case: Case) -> Reply:
+def _post(url: str, body: dict[str, Any], headers: dict[str, str]) -> dict[str, Any]:
+    req = urllib.request.Request(url, json.dumps(body).encode(), headers)
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        out: dict[str, Any] = json.loads(resp.read())
+        return out
+
+
+Top = list[dict[int, float]]  # per position: token id -> logprob of the top two
+
+
+def pull(p_url: str, d_url: str, model: str, case: Case) -> tuple[list[int], Top]:
     """vLLM's NixlConnector as its proxy drives it: the prefill leg, then the decode leg
-    with the kv_transfer_params P returned, both under one X-Request-Id."""
+    with the kv_transfer_params P returned, both under one X-Request-Id. Not streamed
+    (the tokens are the same): its token ids and, per position, the top-2 logprobs."""
     headers = {"X-Request-Id": uuid.uuid4().hex, "Content-Type": "application/json"}
     chat = case.messages is not None
-    body: dict[str, Any] = {
-        "model": model,
-        "max_tokens": 1,
-        "temperature": 0,
-        "kv_transfer_params": {"do_remote_decode": True},
-    }
-    body.update({"messages": case.messages} if chat else {"prompt": case.prompt})
     path = "/v1/chat/completions" if chat else "/v1/completions"
-    req = urllib.request.Request(p_url + path, json.dumps(body).encode(), headers)
-    with urllib.request.urlopen(req, timeout=120) as resp:
-        params = json.loads(resp.read())["kv_transfer_params"]
-    return send(d_url, model, case, headers=headers, extra={"kv_transfer_params": params})
+    body: dict[str, Any] = {"model": model, "temperature": 0, "return_token_ids": True}
+    body["return_tokens_as_token_ids"] = True  # logprobs keyed "token_id:N"
+    body.update({"messages": case.messages} if chat else {"prompt": case.prompt})
+    first = {**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
+    params = _post(p_url + path, first, headers)["kv_transfer_params"]
+    body.update(max_tokens=case.max_tokens, kv_transfer_params=params)
+    body.update({"logprobs": True, "top_logprobs": 2} if chat else {"logprobs": 2})
+    choice = _post(d_url + path, body, headers)["choices"][0]
+    return list(choice["token_ids"]), _top(choice["logprobs"], chat)
+
+
+def _top(logprobs: dict[str, Any], chat: bool) -> Top:
+    """Per position: token id -> logprob of the two likeliest tokens."""
+    if chat:
+        return [
+            {int(t["token"].split(":")[1]): t["logprob"] for t in pos["top_logprobs"]}
+            for pos in logprobs["content"]
+        ]
+    return [{int(k.split(":")[1]): v for k, v in pos.items()} for pos in logprobs["top_logprobs"]]
+
+
+def same_or_near_tie(got: list[int], ref: list[int], top: Top) -> bool:
+    """Equal, or equal up to a position where the reference's top two tokens were a
+    near tie and ``got`` took the other one (from there the sequences may differ)."""
+    for i, (a, b) in enumerate(zip(got, ref, strict=False)):
+        if a != b:
+            t = top[i]
+            return a in t and max(t.values()) - t[a] <= NEAR_TIE
+    return len(got) == len(ref)
 
 
 @pytest.fixture(scope="module")
@@ -124,13 +157,19 @@ def _tokens(r: Reply) -> list[int]:
     return r.token_ids
 
 
-def _check(servers: dict[str, Any], case: Case, got: Reply) -> None:
-    model, kv, pl = servers["model"], servers["kvpush"], servers["pull"]
-    ref = pull(pl.p.url, pl.d.url, model, case)
-    plain = send(servers["plain"].server.url, model, case)
-    assert _tokens(got) == _tokens(ref), (case.name, got.text, ref.text)
-    assert _tokens(got)[0] == _tokens(plain)[0], case.name
-    assert kv is not None
+def _check(servers: dict[str, Any], case: Case, got: Reply, exact: bool = True) -> bool:
+    """kvpush's output against NixlConnector's (exactly, or up to a near tie) and its
+    first token against one plain server's; True when the tokens were all equal."""
+    model, pl = servers["model"], servers["pull"]
+    ref, top = pull(pl.p.url, pl.d.url, model, case)
+    plain = _tokens(send(servers["plain"].server.url, model, case))
+    mine = _tokens(got)
+    assert mine[0] == plain[0] or same_or_near_tie(mine[:1], plain[:1], top), case.name
+    if exact:
+        assert mine == ref, (case.name, mine, ref)
+    else:
+        assert same_or_near_tie(mine, ref, top), (case.name, mine, ref, top)
+    return mine == ref
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
@@ -146,8 +185,11 @@ def test_16_concurrent(servers: dict[str, Any]) -> None:
     kv = servers["kvpush"]
     with ThreadPoolExecutor(16) as pool:
         got = list(pool.map(lambda c: send(kv.router.url, servers["model"], c), CONCURRENT))
-    for case, reply in zip(CONCURRENT, got, strict=True):
-        _check(servers, case, reply)
+    # Batched on D, compared with NixlConnector one at a time: equal up to near ties,
+    # and equal outright for most (corrupt KV would change far more than near ties).
+    pairs = zip(CONCURRENT, got, strict=True)
+    equal = [_check(servers, case, reply, exact=False) for case, reply in pairs]
+    assert sum(equal) >= len(CONCURRENT) * 3 // 4, equal
 
 
 def test_nothing_held_and_metrics_true(servers: dict[str, Any]) -> None:

@@ -196,8 +196,23 @@ def test_a_copy_that_fails_after_its_launch_fails_the_receive(pair: Any) -> None
     assert pr.p.worker.stats["copy_failed"] == 1
 
 
+def test_without_a_lane_word_p_notifies_only_after_the_copy_is_over(pair: Any) -> None:
+    """No lane: the launch does not wait (engine thread); the completion goes to D only
+    once ``finished`` says the copy is over, never while it still runs."""
+    hook = MemmovePeerCopy("h1", hold=True)
+    pr = pair(hook, MemmovePeerCopy("h1"), d_worker={"lane_slots": 0})
+    pr.push("r0", 4)
+    wait_until(lambda: hook.running, 30, pr.step, "the copy to be launched")
+    for _ in range(50):  # the copy "runs": P must not tell D yet
+        pr.step()
+    assert not any(r == "r0" and k == "recv" for k, r, _ in pr.d_events)
+    hook.release()
+    kind, info = pr.outcome("r0")
+    assert kind == "recv" and info["bad_regions"] == 0, info
+
+
 @pytest.mark.parametrize("slots", [0, 1], ids=["no-lane", "lane-full"])
-def test_without_a_lane_word_the_copy_is_waited_for_and_notified(pair: Any, slots: int) -> None:
+def test_without_a_lane_word_the_copy_is_notified_after_it(pair: Any, slots: int) -> None:
     pr = pair(MemmovePeerCopy("h1"), MemmovePeerCopy("h1"), d_worker={"lane_slots": slots})
     # Two registrations at once: with one word, the second goes without.
     pr.d.register("r0", "r0", 2, "P", "127.0.0.1", pr.p.spec.port)
@@ -423,12 +438,17 @@ def test_a_lane_left_by_a_killed_decoder_is_removed_by_the_next_one() -> None:
 
 class DeviceWork:
     """StagedBlocks.after as an engine's CUDA event: the prefill's writes happen when the
-    work is waited for (a reader that does not wait finds the blocks unwritten)."""
+    work is waited for, or at the third query (the device got there meanwhile); a reader
+    that reads before either finds the blocks unwritten."""
 
     def __init__(self, write: Any) -> None:
-        self.write, self.waits = write, 0
+        self.write, self.waits, self.queries = write, 0, 0
 
     def query(self) -> bool:
+        self.queries += 1
+        if self.write is not None and self.queries >= 3:
+            self.write()
+            self.write = None
         return self.write is None
 
     def synchronize(self) -> None:
@@ -456,12 +476,14 @@ def prefill_after(pr: StagedPair, rid: str, n: int) -> DeviceWork:
 @pytest.mark.parametrize("copy", [True, False], ids=["copy", "write"])
 def test_blocks_handed_over_before_their_writes_are_read_after_them(pair: Any, copy: bool) -> None:
     """StagedBlocks.after: the peer copy is given the event to queue behind (the hook
-    waits here), a WRITE waits for it before NIXL reads the blocks."""
+    waits here); a WRITE is posted only once a query says the event is done, and the
+    producer never waits for it (it may run on the engine's thread)."""
     p_hook = MemmovePeerCopy("h1")
     pr = pair(p_hook, MemmovePeerCopy("h1" if copy else "other"))
     for i in range(2):  # the second copy was armed at registration (the early launch)
         work = prefill_after(pr, f"r{i}", 3)
-        assert work.waits == 1
+        assert work.waits == (1 if copy else 0)
+        assert copy or work.queries >= 3
     st = pr.p.worker.stats
     assert (st["copies"], st["writes"]) == ((2, 0) if copy else (0, 2))
     assert p_hook.afters == (2 if copy else 0)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -357,7 +358,7 @@ def test_inline_writer_works_on_the_engine_thread_and_idles_cheaply(
 ) -> None:
     pair = pair_factory(worker={"writer": "inline"})
     w = pair.p.worker
-    assert w._thread is None and w.writer_alive()  # no writer thread, nothing to die
+    assert w._thread is not None and w._thread.name == "kvpush-keeper" and w.writer_alive()
     ticks: list[int] = []
     tick = w._tick
 
@@ -372,16 +373,41 @@ def test_inline_writer_works_on_the_engine_thread_and_idles_cheaply(
         what="registration on P and P connected to D",
     )
     pair.p.prefill("p1", "t1", 4)
-    pair.p.step()  # its start_step matches and WRITEs before it returns
+    engine_ticks = len(ticks)
+    pair.p.step()  # its start_step matches and WRITEs before it returns, on this thread
     assert w.stats["writes"] == 1
+    assert ticks[engine_ticks:] and set(ticks[engine_ticks:]) == {threading.get_ident()}
     pair.until(lambda: recv_ok(pair, "d1"), what="verified receive")
     pair.settle()
-    assert set(ticks) == {threading.get_ident()}
     # Idle: get_finished reads the clock and returns; a tick only when the idle timer is due.
     before = len(ticks)
     for _ in range(50):
         w.get_finished()
     assert len(ticks) <= before + 1
+
+
+def test_inline_keeper_polls_while_the_engine_makes_no_call(
+    pair_factory: Callable[..., Pair],
+) -> None:
+    """writer inline, P's engine idle (no call at all): its keeper thread still reads D's
+    registration and keeps heartbeats going, so D's watchdog is renewed; once the
+    engine calls again, the push goes through."""
+    pair = pair_factory(worker={"writer": "inline"}, watchdog_s=1.0)
+    pair.register("d1", "t1", 4)
+    # Only D steps: P's worker hears of the registration from its keeper alone.
+    wait_until(
+        lambda: len(pair.p.worker.producer.pending_regs) == 1, 10, pair.d.step, "P's keeper"
+    )
+    hb = pair.p.worker.stats
+    deadline = time.monotonic() + 2.5  # over twice D's watchdog, P's engine silent
+    while time.monotonic() < deadline:
+        pair.d.step()
+        pair.d_events += pair.d.take_events()
+        time.sleep(0.01)
+    assert "failed" not in pair.d_kinds("d1"), "D's watchdog fired: no heartbeats from P"
+    pair.p.prefill("p1", "t1", 4)
+    pair.until(lambda: recv_ok(pair, "d1"), what="verified receive")
+    assert hb["writes"] == 1
 
 
 def test_received_bytes_count_each_group_once() -> None:
