@@ -50,7 +50,6 @@ LABELS = {
     "plain": "one plain vLLM server (no disaggregation)",
     "kvpush": "kvpush (router, both legs at once)",
     "kvpush-finished": "kvpush, pushing after vLLM finished the request (hand_over: finished)",
-    "kvpush-normal-priority": "kvpush, its copy stream at normal priority",
     "push": "vLLM NixlPushConnector (client, both legs at once)",
     "pull": "vLLM NixlConnector (client, prefill then decode)",
 }
@@ -134,13 +133,11 @@ class Pair(ABC):
     def device(self) -> str:
         return str(self.spec.get("device") or default_device())
 
-    extra_env: dict[str, str] = {}  # for every server of this pair (read only)
-
     def _server(
         self, name: str, kv: dict[str, Any] | None, core: int, env: dict[str, str]
     ) -> VllmServer:
         extra = dict(self.spec)
-        env = {**self.extra_env, **extra.pop("env", {}), **env}
+        env = {**extra.pop("env", {}), **env}
         spec = ServerSpec(
             name, self.model, kv_config=kv, core=core, env=env, log_dir=self.log_dir, **extra
         )
@@ -318,20 +315,12 @@ class KvpushFinishedPair(KvpushPair):
     options = {"hand_over": "finished"}
 
 
-class KvpushNormalPriorityPair(KvpushPair):
-    """kvpush with its copy stream at normal priority (A/B of the high-priority stream)."""
-
-    name = "kvpush-normal-priority"
-    extra_env = {"KVPUSH_COPY_PRIORITY": "normal"}
-
-
 def make_pair(name: str, model: str, log_dir: str, **spec: Any) -> Pair:
     """A pair by configuration name; ``spec``: further ServerSpec fields for its servers."""
     kinds: dict[str, type[Pair]] = {
         "plain": PlainPair,
         "kvpush": KvpushPair,
         "kvpush-finished": KvpushFinishedPair,
-        "kvpush-normal-priority": KvpushNormalPriorityPair,
         "push": InTreePushPair,
         "pull": PullPair,
     }

@@ -278,12 +278,7 @@ class CudaPeerCopy:
             module = cupy.RawModule(code=_KERNEL)
             self._kernel = module.get_function("kvpush_piece_copy")
             self._signal = module.get_function("kvpush_lane_word")
-            # The copy ahead of this process's own queued work (the next prefill): a
-            # decoder waits for it. KVPUSH_COPY_PRIORITY=normal for the A/B measurement.
-            prio = None
-            if os.environ.get("KVPUSH_COPY_PRIORITY", "high") != "normal":
-                prio = cupy.cuda.runtime.deviceGetStreamPriorityRange()[1]
-            self.stream = cupy.cuda.Stream(non_blocking=True, priority=prio)
+            self.stream = cupy.cuda.Stream(non_blocking=True)
             self._counter = cupy.zeros(1, dtype=cupy.uint64)  # fused copies' blocks done, ever
             self._counter_at = int(self._counter.data.ptr)
             # The CUfunctions, to launch through the driver (None: through CuPy).
