@@ -8,8 +8,10 @@ tested with plain objects.
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any
 
+from kvpush.core.ids import base_request_id
 from kvpush.core.scheduler import PushScheduler, SchedulerConfig
 from kvpush.core.types import RecvRegistration, StepMeta, WorkerOutput
 from kvpush.vllm.config import ConnectorOptions
@@ -19,11 +21,35 @@ log = logging.getLogger(__name__)
 # A mark in the request's own params: its blocks are registered (the engine calls
 # update_state_after_alloc again once the KV has arrived).
 _REGISTERED = "_kvpush_registered"
+# vLLM's id of prompt i of a client request (completions: always; chat: with several).
+_PROMPT_INDEX = re.compile(r"(?:cmpl-.*-|chatcmpl-.*_)(\d+)$")
 
 
 def _params(request: Any) -> dict[str, Any]:
     params = getattr(request, "kv_transfer_params", None)
     return params if isinstance(params, dict) else {}
+
+
+def transfer_key(request_id: str, transfer_id: Any) -> str | None:
+    """The key of one engine request's transfer: the router's ``transfer_id`` plus which
+    engine sub-request of the client request this is.
+
+    vLLM turns one client request into several engine requests, all with the same
+    ``kv_transfer_params``: prompt ``i`` gets ``cmpl-<id>-<i>`` (chat, when it has several:
+    ``chatcmpl-<id>_<i>``), sample ``j`` of ``n`` the prefix ``<j>_``, and each engine adds
+    its random suffix. P and
+    D see the same ids up to that suffix (the router sends the same ``X-Request-Id`` to
+    both), so both derive the same key per sub-request; sub-request (0, 0) keeps the bare
+    ``transfer_id``."""
+    if not transfer_id:
+        return None
+    child, sep, rest = request_id.partition("_")
+    sample = int(child) if sep and child.isdigit() else 0
+    base = base_request_id(rest if sep and child.isdigit() else request_id)
+    index = _PROMPT_INDEX.match(base)
+    prompt = int(index.group(1)) if index else 0
+    tid = str(transfer_id)
+    return tid if prompt == sample == 0 else f"{tid}:{prompt}:{sample}"
 
 
 class SchedulerSide:
@@ -86,7 +112,7 @@ class SchedulerSide:
                 remote_host=str(params["remote_host"]),
                 remote_port=int(params["remote_port"]),
                 remote_tp_size=int(params.get("remote_tp_size", params.get("tp_size", 1))),
-                transfer_id=str(params["transfer_id"]) if params.get("transfer_id") else None,
+                transfer_id=transfer_key(rid, params.get("transfer_id")),
                 remote_pp_size=int(params.get("remote_pp_size", 1)),
             )
         except (KeyError, TypeError, ValueError) as e:
@@ -105,9 +131,8 @@ class SchedulerSide:
             for new in getattr(scheduler_output, "scheduled_new_reqs", None) or ():
                 request = new_p.get(new.req_id)
                 if request is not None and self._ends_here(request, new, counts):
-                    tid = _params(request).get("transfer_id")
-                    blocks = [list(new.block_ids[0])]
-                    self.sched.hand_over(new.req_id, blocks, str(tid) if tid else None)
+                    tid = transfer_key(new.req_id, _params(request).get("transfer_id"))
+                    self.sched.hand_over(new.req_id, [list(new.block_ids[0])], tid)
         return self.sched.build_meta()
 
     @staticmethod
@@ -141,8 +166,8 @@ class SchedulerSide:
         early = self.sched.handed_over(rid)  # its push may be reading: held, whatever it ended as
         if not early and (not block_ids or not done):
             return False, None
-        tid = params.get("transfer_id")
-        held = self.sched.request_finished(rid, [list(block_ids)], str(tid) if tid else None)
+        tid = transfer_key(rid, params.get("transfer_id"))
+        held = self.sched.request_finished(rid, [list(block_ids)], tid)
         if not done:
             return held, None
         return held, {
