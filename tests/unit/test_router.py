@@ -20,7 +20,7 @@ from aiohttp import web
 
 from kvpush.router import RouterConfig, make_app
 from kvpush.router.cli import parse_host_port
-from kvpush.router.legs import decode_body, prefill_body
+from kvpush.router.bodies import decode_body, prefill_body
 
 DEADLINE = 5.0  # how long a stub waits for the other leg before failing the test
 SIDE_CHANNEL = ("127.0.0.1", 5600)
@@ -245,7 +245,7 @@ def test_prefill_failure_mid_stream_ends_stream_with_error_event() -> None:
                             first_chunk_read.set()
         assert events[0] == b'{"i": 0}'
         assert json.loads(events[1])["error"]["leg"] == "prefill"
-        assert len(events) == 2
+        assert events[2:] == [b"[DONE]"]  # after the error, as vLLM ends a failed stream
 
     asyncio.run(main())
 
@@ -356,11 +356,22 @@ def test_health_and_metrics() -> None:
     asyncio.run(main())
 
 
-def test_bad_json_is_400() -> None:
+def test_body_that_is_not_json_goes_to_the_decoder_alone_as_sent() -> None:
+    seen: list[bytes] = []
+
+    async def prefill(request: web.Request) -> web.Response:
+        raise AssertionError("P must not see a body that is not a request")
+
+    async def decode(request: web.Request) -> web.Response:
+        seen.append(await request.read())
+        return web.json_response({"error": {"message": "bad json", "code": 400}}, status=400)
+
     async def main() -> None:
-        async with running(stub(ok_prefill), stub(ok_prefill)) as (url, cl):
+        async with running(stub(prefill), stub(decode)) as (url, cl):
             async with cl.post(url + "/v1/completions", data=b"{not json") as resp:
                 assert resp.status == 400
+                assert (await resp.json())["error"]["message"] == "bad json"
+        assert seen == [b"{not json"]
 
     asyncio.run(main())
 
@@ -370,6 +381,25 @@ def test_leg_bodies_and_side_channel_parsing() -> None:
     p = prefill_body(body, "t", chat=False)
     assert p["max_tokens"] == 1 and p["stream"] is False
     assert "stream_options" not in p and "min_tokens" not in p
+    # P computes the prompt and pushes it: nothing that only shapes D's output.
+    output_only = {
+        "logprobs": 3,
+        "logit_bias": {"5": 1.0},
+        "stop": ["x"],
+        "stop_token_ids": [3],
+        "response_format": {"type": "json_object"},
+        "n": 2,
+        "seed": 7,
+        "temperature": 0.5,
+    }
+    p = prefill_body({**body, **output_only}, "t", chat=False)
+    assert {k for k in output_only if k in p} == {"n", "seed", "temperature"}
+    chat = {"messages": [], "tools": [{"type": "function"}], "top_logprobs": 2, "logprobs": True}
+    chat.update(response_format={"type": "json_object"}, max_completion_tokens=5, echo=True)
+    p = prefill_body(chat, "t", chat=True)
+    assert p["tools"] == chat["tools"] and p["response_format"] == chat["response_format"]
+    assert p["max_completion_tokens"] == 1 and "logprobs" not in p and "top_logprobs" not in p
+    assert "echo" not in p
     d = decode_body(body, "t", None)
     assert d["kv_transfer_params"] == {"do_remote_prefill": True, "transfer_id": "t"}
     assert d["stream_options"] == {} and body.get("kv_transfer_params") is None
