@@ -408,3 +408,166 @@ def test_leg_bodies_and_side_channel_parsing() -> None:
     for bad in ("nohost", ":5", "h:0", "h:x"):
         with pytest.raises(ValueError):
             parse_host_port(bad)
+
+
+REFUSAL = {"error": {"message": "bad field", "type": "BadRequestError", "param": None, "code": 400}}
+
+
+def waits_until_cancelled(arrived: asyncio.Event, cancelled: asyncio.Event) -> Handler:
+    """An upstream that, like a real D or P waiting for its peer, never answers by itself."""
+
+    async def handler(request: web.Request) -> web.Response:
+        await request.read()
+        arrived.set()
+        try:
+            await asyncio.wait_for(asyncio.Event().wait(), 4 * DEADLINE)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+        return web.json_response({})
+
+    return handler
+
+
+def refuses(status: int, payload: dict[str, Any] = REFUSAL) -> Handler:
+    async def handler(request: web.Request) -> web.Response:
+        await request.read()
+        return web.json_response(payload, status=status)
+
+    return handler
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("status", [400, 404])
+def test_decode_refusal_is_passed_through_at_once_and_cancels_prefill(
+    stream: bool, status: int
+) -> None:
+    arrived, cancelled = asyncio.Event(), asyncio.Event()
+
+    async def main() -> None:
+        prefill = stub(waits_until_cancelled(arrived, cancelled))
+        async with running(prefill, stub(refuses(status))) as (url, cl):
+            start = time.monotonic()
+            async with cl.post(url + "/v1/completions", json=completion_body(stream)) as resp:
+                assert resp.status == status
+                assert await resp.json() == REFUSAL  # vLLM's own body, not the router's
+                assert resp.headers["Content-Type"].startswith("application/json")
+            assert time.monotonic() - start < 2.0
+            await asyncio.wait_for(cancelled.wait(), DEADLINE)  # P aborts the request
+            async with cl.get(url + "/metrics") as resp:
+                text = await resp.text()
+        assert 'kvpush_router_errors_total{kind="refused",leg="decode"} 1' in text
+
+    asyncio.run(main())
+
+
+def test_prefill_refusal_is_passed_through_and_cancels_decode() -> None:
+    arrived, cancelled = asyncio.Event(), asyncio.Event()
+
+    async def main() -> None:
+        decode = stub(waits_until_cancelled(arrived, cancelled))
+        async with running(stub(refuses(422)), decode) as (url, cl):
+            async with cl.post(url + "/v1/completions", json=completion_body()) as resp:
+                assert resp.status == 422
+                assert await resp.json() == REFUSAL
+            await asyncio.wait_for(cancelled.wait(), DEADLINE)
+
+    asyncio.run(main())
+
+
+def test_when_both_refuse_the_decode_legs_refusal_wins() -> None:
+    # D got the client's own body, so its refusal is the one a plain server gives.
+    mine = {"error": {"message": "decode's words", "code": 400}}
+    p_sent = asyncio.Event()
+
+    async def prefill(request: web.Request) -> web.Response:
+        await request.read()
+        p_sent.set()
+        return web.json_response(REFUSAL, status=400)
+
+    async def decode(request: web.Request) -> web.Response:
+        await request.read()
+        await asyncio.wait_for(p_sent.wait(), DEADLINE)
+        return web.json_response(mine, status=400)
+
+    async def main() -> None:
+        async with running(stub(prefill), stub(decode)) as (url, cl):
+            async with cl.post(url + "/v1/completions", json=completion_body()) as resp:
+                assert resp.status == 400
+                assert await resp.json() == mine
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("how", ["eof", "abort"])
+def test_stream_cut_by_the_decoder_ends_with_an_error_event(how: str) -> None:
+    first_read = asyncio.Event()
+
+    async def decode(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b'data: {"i": 0}\n\n')
+        if how == "abort":  # the decoder dies: the connection breaks mid-body
+            await asyncio.wait_for(first_read.wait(), DEADLINE)
+            assert request.transport is not None
+            request.transport.abort()
+        return resp  # "eof": a clean-looking end, but without [DONE]
+
+    async def main() -> None:
+        events: list[bytes] = []
+        async with running(stub(ok_prefill), stub(decode)) as (url, cl):
+            async with asyncio.timeout(DEADLINE):
+                async with cl.post(url + "/v1/completions", json=completion_body(True)) as resp:
+                    assert resp.status == 200
+                    async for line in resp.content:
+                        if line.startswith(b"data: "):
+                            events.append(line[6:].strip())
+                            first_read.set()
+        assert events[0] == b'{"i": 0}'
+        err = json.loads(events[1])["error"]
+        assert err["leg"] == "decode" and err["type"] == "upstream_error"
+        assert events[2:] == [b"[DONE]"]
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"prompt_logprobs": 1},
+        {"echo": True, "logprobs": 1},
+        {"use_beam_search": True, "n": 2},
+    ],
+    ids=["prompt_logprobs", "echo_logprobs", "beam_search"],
+)
+def test_requests_p_cannot_help_go_to_the_decoder_alone(extra: dict[str, Any]) -> None:
+    seen: list[dict[str, Any]] = []
+
+    async def prefill(request: web.Request) -> web.Response:
+        raise AssertionError("P must not get this request")
+
+    async def decode(request: web.Request) -> web.Response:
+        seen.append(await request.json())
+        return web.json_response({"choices": [{"text": "D"}]})
+
+    async def main() -> None:
+        body = {**completion_body(), **extra}
+        async with running(stub(prefill), stub(decode)) as (url, cl):
+            async with cl.post(url + "/v1/completions", json=body) as resp:
+                assert resp.status == 200
+                assert (await resp.json())["choices"][0]["text"] == "D"
+            async with cl.get(url + "/metrics") as resp:
+                text = await resp.text()
+        assert seen == [body]  # as sent: no kv_transfer_params, D computes the prompt itself
+        assert "kvpush_router_decoder_alone_total" in text
+
+    asyncio.run(main())
+
+
+def test_chat_echo_asks_for_prompt_logprobs() -> None:
+    from kvpush.router.bodies import decoder_alone
+
+    assert decoder_alone({"messages": [], "echo": True}, chat=True) == "prompt_logprobs"
+    assert decoder_alone({"messages": [], "echo": True, "top_logprobs": None}, chat=True) is None
+    assert decoder_alone({"prompt": "x", "echo": True}, chat=False) is None
+    assert decoder_alone({"prompt": "x", "logprobs": 2, "n": 3}, chat=False) is None
