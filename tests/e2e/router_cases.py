@@ -168,7 +168,9 @@ CASES = [
     completion("suffix", refused=True, suffix="!"),
     completion("empty_prompt", refused=True, prompt=""),
     completion("bad_logit_bias", refused=True, logit_bias={"999999": 5}),
-    completion("two_structured_kinds", refused=True, structured_outputs={"choice": ["a"], "regex": "b"}),
+    completion(
+        "two_structured_kinds", refused=True, structured_outputs={"choice": ["a"], "regex": "b"}
+    ),
     chat("chat_auto_tools", refused=True, tools=[TOOL]),
     chat("chat_no_messages", refused=True, messages=[]),
     chat("chat_unknown_role", messages=[{"role": "nobody", "content": "x"}]),

@@ -65,9 +65,7 @@ def send(base: str, case: Case, model: str, timeout: float = 60.0) -> tuple[int,
     elapsed = time.monotonic() - start
     if not stream:
         return status, json.loads(raw), elapsed
-    events = [
-        line[5:].strip() for line in raw.decode().splitlines() if line.startswith("data:")
-    ]
+    events = [line[5:].strip() for line in raw.decode().splitlines() if line.startswith("data:")]
     return status, [e if e == "[DONE]" else json.loads(e) for e in events], elapsed
 
 
@@ -106,7 +104,11 @@ def differences(a: Any, b: Any, path: str = "") -> list[str]:
     if isinstance(a, list) and isinstance(b, list):
         if len(a) != len(b):
             return [f"{path}: {len(a)} items != {len(b)}"]
-        return [d for i, (x, y) in enumerate(zip(a, b, strict=True)) for d in differences(x, y, f"{path}[{i}]")]
+        return [
+            d
+            for i, (x, y) in enumerate(zip(a, b, strict=True))
+            for d in differences(x, y, f"{path}[{i}]")
+        ]
     return [] if a == b else [f"{path}: {a!r} != {b!r}"]
 
 

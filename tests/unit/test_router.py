@@ -19,8 +19,8 @@ import pytest
 from aiohttp import web
 
 from kvpush.router import RouterConfig, make_app
-from kvpush.router.cli import parse_host_port
 from kvpush.router.bodies import decode_body, prefill_body
+from kvpush.router.cli import parse_host_port
 
 DEADLINE = 5.0  # how long a stub waits for the other leg before failing the test
 SIDE_CHANNEL = ("127.0.0.1", 5600)
