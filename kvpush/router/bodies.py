@@ -16,34 +16,30 @@ from __future__ import annotations
 
 from typing import Any
 
-# Output-only fields: on P they would compute logprobs, grammars or stop checks for a
-# token that is thrown away, or conflict with max_tokens=1 (min_tokens, stream_options).
-_OUTPUT_ONLY = (
+# Fields P does not get: they would make it compute logprobs or compile a grammar for a
+# token nobody reads, or conflict with max_tokens=1 and stream=False (min_tokens,
+# stream_options). Every other field goes to P as sent, also those that only shape the
+# output (stop, logit_bias, bad_words, allowed_token_ids...): they cost P nothing for
+# one token, and P then refuses what D refuses, instead of prefilling a request D has
+# refused and holding its blocks for a push that never comes.
+_NOT_FOR_P = (
     "logprobs",
     "top_logprobs",
     "prompt_logprobs",
     "logprob_token_ids",
-    "echo",
-    "logit_bias",
     "min_tokens",
-    "stop",
-    "stop_token_ids",
-    "include_stop_str_in_output",
-    "bad_words",
-    "allowed_token_ids",
     "stream_options",
-    "stream_interval",
-    "return_token_ids",
-    "return_tokens_as_token_ids",
 )
 # Structured output shapes only a completion's output; a chat template may render
 # response_format into the prompt, so chat keeps it.
-_COMPLETION_OUTPUT_ONLY = ("response_format", "structured_outputs")
+_NOT_FOR_P_COMPLETIONS = ("response_format", "structured_outputs")
+# vLLM's default --max-logprobs: more is refused unless the server allows it.
+_MAX_LOGPROBS = 20
 
 
 def prefill_body(body: dict[str, Any], transfer_id: str, chat: bool) -> dict[str, Any]:
     """The client body turned into the prefill leg: one token, no stream, push to D."""
-    drop = _OUTPUT_ONLY if chat else _OUTPUT_ONLY + _COMPLETION_OUTPUT_ONLY
+    drop = _NOT_FOR_P if chat else _NOT_FOR_P + _NOT_FOR_P_COMPLETIONS
     out = {k: v for k, v in body.items() if k not in drop}
     out["max_tokens"] = 1
     if chat and "max_completion_tokens" in out:
@@ -78,7 +74,9 @@ def decoder_alone(body: dict[str, Any], chat: bool) -> str | None:
       the prompt anyway and P's push would wait for nobody;
     - beam search: vLLM runs it as a series of new engine requests without the legs'
       ``kv_transfer_params``, so nothing of P's would be used;
-    - prompt embeddings: the connector counts prompt tokens, an embedding prompt has none.
+    - prompt embeddings: the connector counts prompt tokens, an embedding prompt has none;
+    - a field P does not get looks like one vLLM refuses (``_doubtful``): D's answer is
+      the one a plain server gives, and P must not prefill a request D refuses.
     """
     if body.get("prompt_logprobs") is not None:
         return "prompt_logprobs"
@@ -92,4 +90,49 @@ def decoder_alone(body: dict[str, Any], chat: bool) -> str | None:
         return "beam_search"
     if body.get("prompt_embeds") is not None:
         return "prompt_embeds"
+    if _doubtful(body, chat):
+        return "doubtful_field"
     return None
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _doubtful(body: dict[str, Any], chat: bool) -> bool:
+    """A shape check of the fields P does not get, looser than vLLM's: whatever it lets
+    through, vLLM's own rules for these fields accept (checked by the e2e matrix). A
+    request it stops is still answered right, by D alone."""
+    if body.get("stream_options") is not None and body.get("stream") is not True:
+        return True
+    count = body.get("top_logprobs" if chat else "logprobs")
+    if count is not None and not (_is_int(count) and 0 <= count <= _MAX_LOGPROBS):
+        return True
+    if chat and (
+        body.get("logprobs") not in (None, True, False)
+        or (body.get("top_logprobs") and body.get("logprobs") is not True)
+    ):
+        return True
+    if body.get("logprob_token_ids") is not None and not body.get("logprobs"):
+        return True
+    least = body.get("min_tokens")
+    most = body.get("max_completion_tokens") if chat else None
+    most = body.get("max_tokens") if most is None else most
+    if least is not None and not (_is_int(least) and least >= 0):
+        return True
+    if least is not None and _is_int(most) and least > most:
+        return True
+    if chat:
+        return False
+    structured = body.get("structured_outputs")
+    if structured is not None and not (
+        isinstance(structured, dict)
+        and sum(structured.get(k) is not None for k in ("json", "regex", "choice")) <= 1
+    ):
+        return True
+    form = body.get("response_format")
+    return form is not None and not (
+        isinstance(form, dict)
+        and form.get("type") in ("text", "json_object", "json_schema")
+        and (form.get("type") != "json_schema" or form.get("json_schema") is not None)
+    )

@@ -393,13 +393,20 @@ def test_leg_bodies_and_side_channel_parsing() -> None:
         "temperature": 0.5,
     }
     p = prefill_body({**body, **output_only}, "t", chat=False)
-    assert {k for k in output_only if k in p} == {"n", "seed", "temperature"}
+    # Cheap for one token, and validated by P as by D: kept.
+    assert {k for k in output_only if k in p} == {
+        "n",
+        "seed",
+        "temperature",
+        "logit_bias",
+        "stop",
+        "stop_token_ids",
+    }
     chat = {"messages": [], "tools": [{"type": "function"}], "top_logprobs": 2, "logprobs": True}
     chat.update(response_format={"type": "json_object"}, max_completion_tokens=5, echo=True)
     p = prefill_body(chat, "t", chat=True)
     assert p["tools"] == chat["tools"] and p["response_format"] == chat["response_format"]
     assert p["max_completion_tokens"] == 1 and "logprobs" not in p and "top_logprobs" not in p
-    assert "echo" not in p
     d = decode_body(body, "t", None)
     assert d["kv_transfer_params"] == {"do_remote_prefill": True, "transfer_id": "t"}
     assert d["stream_options"] == {} and body.get("kv_transfer_params") is None
@@ -571,3 +578,43 @@ def test_chat_echo_asks_for_prompt_logprobs() -> None:
     assert decoder_alone({"messages": [], "echo": True, "top_logprobs": None}, chat=True) is None
     assert decoder_alone({"prompt": "x", "echo": True}, chat=False) is None
     assert decoder_alone({"prompt": "x", "logprobs": 2, "n": 3}, chat=False) is None
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"prompt": "x", "stream_options": {"include_usage": True}},
+        {"prompt": "x", "logprobs": -3},
+        {"prompt": "x", "logprobs": "2"},
+        {"prompt": "x", "logprobs": 500},
+        {"prompt": "x", "min_tokens": 9, "max_tokens": 4},
+        {"prompt": "x", "min_tokens": -1},
+        {"prompt": "x", "logprob_token_ids": [1]},
+        {"prompt": "x", "structured_outputs": {"choice": ["a"], "regex": "b"}},
+        {"prompt": "x", "response_format": {"type": "json_schema"}},
+        {"messages": [], "top_logprobs": 2},
+        {"messages": [], "logprobs": "yes"},
+        {"messages": [], "min_tokens": 5, "max_completion_tokens": 2},
+    ],
+)
+def test_doubtful_fields_p_does_not_get_send_the_request_to_the_decoder_alone(
+    body: dict[str, Any],
+) -> None:
+    from kvpush.router.bodies import decoder_alone
+
+    # P would accept it (it never sees the field) where D may refuse it.
+    assert decoder_alone(body, chat="messages" in body) == "doubtful_field"
+
+
+def test_valid_fields_p_does_not_get_keep_the_request_split() -> None:
+    from kvpush.router.bodies import decoder_alone
+
+    ok: list[dict[str, Any]] = [
+        {"prompt": "x", "stream": True, "stream_options": {"include_usage": True}},
+        {"prompt": "x", "logprobs": 5, "min_tokens": 2, "max_tokens": 4},
+        {"prompt": "x", "structured_outputs": {"choice": ["a"]}},
+        {"prompt": "x", "response_format": {"type": "json_object"}},
+        {"messages": [], "logprobs": True, "top_logprobs": 3},
+    ]
+    for body in ok:
+        assert decoder_alone(body, chat="messages" in body) is None, body
