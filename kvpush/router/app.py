@@ -33,7 +33,7 @@ import aiohttp
 from aiohttp import web
 
 from kvpush.router import bodies, info, legs, sse
-from kvpush.router.config import BACKGROUND, CONFIG, METRICS, SESSION, RouterConfig
+from kvpush.router.config import BACKGROUND, CONFIG, LIMITS, METRICS, SESSION, RouterConfig
 from kvpush.router.metrics import RouterMetrics
 
 log = logging.getLogger(__name__)
@@ -52,6 +52,7 @@ def make_app(config: RouterConfig) -> web.Application:
     app[CONFIG] = config
     app[METRICS] = RouterMetrics()
     app[BACKGROUND] = set()
+    app[LIMITS] = {}
     app.cleanup_ctx.append(_session_ctx)
     app.router.add_post("/v1/completions", _completions)
     app.router.add_post("/v1/chat/completions", _chat_completions)
@@ -111,7 +112,9 @@ async def _proxy(request: web.Request, path: str, chat: bool) -> web.StreamRespo
     metrics.request_started(endpoint, stream)
     start = time.monotonic()
     try:
-        alone = bodies.decoder_alone(body, chat) if isinstance(body, dict) else "not_json"
+        alone: str | None = "not_json"
+        if isinstance(body, dict):
+            alone = bodies.decoder_alone(body, chat, await _max_model_len(app))
         if alone is not None:
             metrics.decoder_alone(alone)
             log.debug("transfer %s: to the decoder alone (%s)", tid, alone)
@@ -140,6 +143,13 @@ async def _proxy(request: web.Request, path: str, chat: bool) -> web.StreamRespo
         return await _serve_unary(request, path, dbody, headers, prefill, tid)
     finally:
         metrics.request_finished(endpoint, time.monotonic() - start)
+
+
+async def _max_model_len(app: web.Application) -> int | None:
+    """D's context length, from its /v1/models (asked once; None while D cannot say)."""
+    if app[LIMITS].get("max_model_len") is None:
+        app[LIMITS]["max_model_len"] = await info.max_model_len(app)
+    return app[LIMITS]["max_model_len"]
 
 
 async def _timed(metrics: RouterMetrics, leg: str, coro: Awaitable[T]) -> T:

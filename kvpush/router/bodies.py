@@ -65,7 +65,7 @@ def decode_body(
     return out
 
 
-def decoder_alone(body: dict[str, Any], chat: bool) -> str | None:
+def decoder_alone(body: dict[str, Any], chat: bool, max_model_len: int | None = None) -> str | None:
     """Why this request must be served by the decoder alone, without P; None to split it.
 
     - prompt logprobs (``prompt_logprobs``, or ``echo`` with logprobs): they need the
@@ -90,7 +90,7 @@ def decoder_alone(body: dict[str, Any], chat: bool) -> str | None:
         return "beam_search"
     if body.get("prompt_embeds") is not None:
         return "prompt_embeds"
-    if _doubtful(body, chat):
+    if _doubtful(body, chat, max_model_len):
         return "doubtful_field"
     return None
 
@@ -99,12 +99,20 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _doubtful(body: dict[str, Any], chat: bool) -> bool:
-    """A shape check of the fields P does not get, looser than vLLM's: whatever it lets
-    through, vLLM's own rules for these fields accept (checked by the e2e matrix). A
-    request it stops is still answered right, by D alone."""
+def _doubtful(body: dict[str, Any], chat: bool, max_model_len: int | None) -> bool:
+    """A shape check of the fields P does not get (or gets changed: the output length),
+    looser than vLLM's: whatever it lets through, vLLM's own rules for these fields
+    accept (checked by the e2e matrix). A request it stops is still answered right, by D
+    alone."""
     if body.get("stream_options") is not None and body.get("stream") is not True:
         return True
+    for name in ("max_tokens", "max_completion_tokens") if chat else ("max_tokens",):
+        limit = body.get(name)
+        least = 0 if body.get("echo") and not chat else 1
+        if limit is not None and not (
+            _is_int(limit) and least <= limit <= (max_model_len or limit)
+        ):
+            return True
     count = body.get("top_logprobs" if chat else "logprobs")
     if count is not None and not (_is_int(count) and 0 <= count <= _MAX_LOGPROBS):
         return True
@@ -115,12 +123,12 @@ def _doubtful(body: dict[str, Any], chat: bool) -> bool:
         return True
     if body.get("logprob_token_ids") is not None and not body.get("logprobs"):
         return True
-    least = body.get("min_tokens")
+    fewest = body.get("min_tokens")
     most = body.get("max_completion_tokens") if chat else None
     most = body.get("max_tokens") if most is None else most
-    if least is not None and not (_is_int(least) and least >= 0):
+    if fewest is not None and not (_is_int(fewest) and fewest >= 0):
         return True
-    if least is not None and _is_int(most) and least > most:
+    if isinstance(fewest, int) and isinstance(most, int) and fewest > most:
         return True
     if chat:
         return False

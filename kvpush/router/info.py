@@ -30,6 +30,24 @@ async def models(request: web.Request) -> web.StreamResponse:
     return web.json_response(err.to_json(""), status=err.http_status)
 
 
+async def max_model_len(app: web.Application) -> int | None:
+    """The decoder's max_model_len, from its /v1/models; None if it does not say."""
+    cfg = app[CONFIG]
+    try:
+        async with asyncio.timeout(_HEALTH_TIMEOUT_S):
+            async with app[SESSION].get(cfg.decode_url + "/v1/models") as resp:
+                if resp.status != 200:
+                    return None
+                data = await resp.json()
+    except (TimeoutError, aiohttp.ClientError, OSError, ValueError):
+        return None
+    try:
+        value = data["data"][0]["max_model_len"]
+    except (KeyError, IndexError, TypeError):
+        return None
+    return value if isinstance(value, int) and value > 0 else None
+
+
 async def health(request: web.Request) -> web.Response:
     app = request.app
     cfg = app[CONFIG]

@@ -595,6 +595,10 @@ def test_chat_echo_asks_for_prompt_logprobs() -> None:
         {"messages": [], "top_logprobs": 2},
         {"messages": [], "logprobs": "yes"},
         {"messages": [], "min_tokens": 5, "max_completion_tokens": 2},
+        {"prompt": "x", "max_tokens": "six"},  # P gets max_tokens=1: it cannot judge these
+        {"prompt": "x", "max_tokens": 0},
+        {"prompt": "x", "max_tokens": 4096},  # above the decoder's max_model_len (2048 here)
+        {"messages": [], "max_completion_tokens": -1},
     ],
 )
 def test_doubtful_fields_p_does_not_get_send_the_request_to_the_decoder_alone(
@@ -603,7 +607,7 @@ def test_doubtful_fields_p_does_not_get_send_the_request_to_the_decoder_alone(
     from kvpush.router.bodies import decoder_alone
 
     # P would accept it (it never sees the field) where D may refuse it.
-    assert decoder_alone(body, chat="messages" in body) == "doubtful_field"
+    assert decoder_alone(body, "messages" in body, max_model_len=2048) == "doubtful_field"
 
 
 def test_valid_fields_p_does_not_get_keep_the_request_split() -> None:
@@ -615,6 +619,37 @@ def test_valid_fields_p_does_not_get_keep_the_request_split() -> None:
         {"prompt": "x", "structured_outputs": {"choice": ["a"]}},
         {"prompt": "x", "response_format": {"type": "json_object"}},
         {"messages": [], "logprobs": True, "top_logprobs": 3},
+        {"prompt": "x", "max_tokens": 2048, "echo": True},
+        {"prompt": "x", "max_tokens": 0, "echo": True},
+        {"messages": [], "max_tokens": None, "max_completion_tokens": 9},
     ]
     for body in ok:
-        assert decoder_alone(body, chat="messages" in body) is None, body
+        assert decoder_alone(body, "messages" in body, max_model_len=2048) is None, body
+
+
+def test_max_tokens_above_the_decoders_context_goes_to_the_decoder_alone() -> None:
+    # P gets max_tokens=1 and cannot refuse it; the router learns D's max_model_len from
+    # its /v1/models (once) and leaves such a request to D.
+    seen: list[dict[str, Any]] = []
+
+    async def prefill(request: web.Request) -> web.Response:
+        raise AssertionError("P must not get this request")
+
+    async def decode(request: web.Request) -> web.Response:
+        seen.append(await request.json())
+        return web.json_response(REFUSAL, status=400)
+
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response({"data": [{"id": "m", "max_model_len": 100}]})
+
+    d = stub(decode)
+    d.router.add_get("/v1/models", models)
+
+    async def main() -> None:
+        async with running(stub(prefill), d) as (url, cl):
+            body = {**completion_body(), "max_tokens": 101}
+            async with cl.post(url + "/v1/completions", json=body) as resp:
+                assert resp.status == 400 and await resp.json() == REFUSAL
+        assert seen == [body]
+
+    asyncio.run(main())
