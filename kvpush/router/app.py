@@ -44,6 +44,7 @@ T = TypeVar("T")
 _MAX_REQUEST_BYTES = 64 * 1024 * 1024
 # How long to wait for D's own refusal once P refused (both validate the same fields).
 _REFUSAL_GRACE_S = 1.0
+_ASK_AGAIN_S = 10.0
 
 
 def make_app(config: RouterConfig) -> web.Application:
@@ -146,10 +147,15 @@ async def _proxy(request: web.Request, path: str, chat: bool) -> web.StreamRespo
 
 
 async def _max_model_len(app: web.Application) -> int | None:
-    """D's context length, from its /v1/models (asked once; None while D cannot say)."""
-    if app[LIMITS].get("max_model_len") is None:
-        app[LIMITS]["max_model_len"] = await info.max_model_len(app)
-    return app[LIMITS]["max_model_len"]
+    """D's context length, from its /v1/models: asked once, or again every
+    `_ASK_AGAIN_S` while D cannot say (then None: no request waits on it)."""
+    limits = app[LIMITS]
+    now = time.monotonic()
+    if limits.get("max_model_len") is None and now >= (limits.get("ask_at") or 0.0):
+        limits["ask_at"] = now + _ASK_AGAIN_S
+        limits["max_model_len"] = await info.max_model_len(app)
+    value = limits.get("max_model_len")
+    return int(value) if value is not None else None
 
 
 async def _timed(metrics: RouterMetrics, leg: str, coro: Awaitable[T]) -> T:

@@ -25,4 +25,4 @@ CONFIG = web.AppKey("config", RouterConfig)
 METRICS = web.AppKey("metrics", RouterMetrics)
 SESSION = web.AppKey("session", aiohttp.ClientSession)
 BACKGROUND: web.AppKey[set[asyncio.Task[Any]]] = web.AppKey("background")
-LIMITS: web.AppKey[dict[str, int | None]] = web.AppKey("limits")  # learnt from D
+LIMITS: web.AppKey[dict[str, float | None]] = web.AppKey("limits")  # learnt from D
