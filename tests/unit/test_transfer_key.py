@@ -37,3 +37,24 @@ def test_no_transfer_id_no_key() -> None:
     assert transfer_key("cmpl-x-1-a1b2c3d4", None) is None
     assert transfer_key("cmpl-x-1-a1b2c3d4", "") is None
     assert transfer_key("r1", "T") == "T"  # ids of other shapes: the bare transfer id
+
+
+def test_both_sides_key_each_sub_request_of_one_client_request() -> None:
+    """P's finished prefills and D's registrations carry the same per-sub-request key."""
+    from kvpush.vllm.config import ConnectorOptions
+    from kvpush.vllm.scheduler_side import SchedulerSide
+    from tests.unit.test_vllm_adapter import FakeRequest
+
+    opts = ConnectorOptions.parse({"hand_over": "finished"}, env={})
+    p = SchedulerSide("P", opts, True, False, 1)
+    d = SchedulerSide("D", opts, False, True, 1)
+    side = {"remote_host": "127.0.0.1", "remote_port": 5700}
+    for rid in engine_ids("abc", 2, 2, "a1b2c3d4", chat=False):
+        params = {"do_remote_decode": True, "transfer_id": "T"}
+        p.request_finished(FakeRequest(rid, params), [1])
+    for rid in engine_ids("abc", 2, 2, "99ff0011", chat=False):
+        req = FakeRequest(rid, {"do_remote_prefill": True, "transfer_id": "T", **side})
+        d.update_state_after_alloc(req, ([5, 6, 7],), 300, block_size=128)
+    sent = [s.transfer_id for s in p.sched.build_meta().finished]
+    registered = [r.transfer_id for r in d.sched.build_meta().registrations]
+    assert sent == registered == ["T", "T:0:1", "T:1:0", "T:1:1"]
