@@ -81,6 +81,7 @@ CASES = [
     completion("n_with_seed", n=3, **SAMPLING),
     completion("several_prompts_n_with_seed", prompt=[ids(30, 9), ids(150, 4)], n=2, **SAMPLING),
     completion("seeded_sampling", **SAMPLING),
+    completion("best_of", best_of=3, n=2, **SAMPLING),  # not a 0.32 completion field: ignored
     completion(
         "penalties",
         seed=9,
@@ -139,6 +140,7 @@ CASES = [
     chat("chat_max_tokens_only", max_completion_tokens=None, max_tokens=7),
     chat("chat_logprobs", logprobs=True, top_logprobs=3),
     chat("chat_n_with_seed", n=3, **SAMPLING),
+    chat("chat_best_of", best_of=2, n=2, **SAMPLING),
     chat("chat_tools_none", tools=[TOOL], tool_choice="none"),
     chat("chat_response_format", response_format={"type": "json_object"}, max_completion_tokens=9),
     chat("chat_structured_choice", structured_outputs={"choice": ["left", "right"]}),
