@@ -3,8 +3,9 @@
 The decode leg is the client's request as sent, plus ``kv_transfer_params``: D validates,
 samples and answers exactly as one plain server would, with P's KV instead of its own
 prefill. The prefill leg keeps everything that shapes the prompt (prompt or messages and
-every chat-template field, tools, truncation, ``n``) and drops what only shapes the output:
-P computes the prompt's KV and one token that nobody reads, and pushes the KV.
+every chat-template field, tools, truncation, ``n``) and asks for one token, not streamed;
+it drops the fields that would make P compute more for that token (``_NOT_FOR_P``): P
+computes the prompt's KV and one token that nobody reads, and pushes the KV.
 
 ``n`` stays on P: vLLM runs each of the ``n`` samples as its own engine request with its
 own blocks (prefix caching off), so D needs one push per sample, and P's engine gives each
