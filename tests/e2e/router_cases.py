@@ -115,6 +115,14 @@ CASES = [
     completion("response_format_json", response_format={"type": "json_object"}, max_tokens=10),
     completion("beam_search", use_beam_search=True, n=2, max_tokens=4),
     completion("user_and_priority", user="someone", priority=0),
+    completion(
+        "truncation_side_left", prompt=LONG, truncate_prompt_tokens=50, truncation_side="left"
+    ),
+    completion("no_special_tokens", add_special_tokens=False, spaces_between_special_tokens=False),
+    completion("request_id_field", request_id="client-chosen-id"),
+    completion("cache_salt", cache_salt="tenant-a"),
+    completion("vllm_xargs", vllm_xargs={"anything": 1}),
+    completion("client_kv_transfer_params", kv_transfer_params={"do_remote_decode": True}),
     # --- completions: streams
     completion("stream", stream=True, max_tokens=10),
     completion("stream_usage", stream=True, stream_options=USAGE),
@@ -154,6 +162,8 @@ CASES = [
         continue_final_message=True,
     ),
     chat("chat_echo", echo=True),
+    chat("chat_template_kwargs", chat_template_kwargs={"unused": True}, return_prompt_text=True),
+    chat("chat_documents", documents=[{"title": "t", "text": "silver moons"}]),
     chat("chat_prompt_logprobs", prompt_logprobs=1),
     chat("chat_stream", stream=True, stream_options=USAGE),
     chat("chat_stream_n_logprobs", stream=True, n=2, logprobs=True, top_logprobs=2, **SAMPLING),
