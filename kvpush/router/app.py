@@ -9,7 +9,14 @@ answer with the decode leg. Rules that keep the client from ever hanging:
   decode leg; a decode failure cancels the prefill leg (P would otherwise hold KV blocks
   for nobody until its lease expires);
 - a prefill leg still running when the decode leg has succeeded is left to finish in the
-  background, so the client is not slowed by it; its failure is only counted and logged.
+  background, so the client is not slowed by it; its failure is only counted and logged;
+- a leg that refuses the request (HTTP 4xx: the client's mistake) gives the client that
+  status and vLLM's own body at once, and the other leg is cancelled (its HTTP request
+  closed, so vLLM aborts it); D got the client's body unchanged, so when P refuses, D's
+  refusal (same as a plain server's) is preferred if it comes within a moment.
+
+A request P cannot help with (``bodies.decoder_alone``: prompt logprobs, beam search,
+prompt embeddings, a body that is not a JSON object) goes to the decoder alone, as sent.
 """
 
 from __future__ import annotations
@@ -20,13 +27,13 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
-from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import aiohttp
 from aiohttp import web
 
-from kvpush.router import legs
+from kvpush.router import bodies, info, legs, sse
+from kvpush.router.config import BACKGROUND, CONFIG, LIMITS, METRICS, SESSION, RouterConfig
 from kvpush.router.metrics import RouterMetrics
 
 log = logging.getLogger(__name__)
@@ -35,22 +42,9 @@ T = TypeVar("T")
 
 # Long prompts are legitimate; aiohttp's default 1 MiB request limit is not enough.
 _MAX_REQUEST_BYTES = 64 * 1024 * 1024
-_HEALTH_TIMEOUT_S = 5.0
-
-
-@dataclass(frozen=True)
-class RouterConfig:
-    prefill_url: str
-    decode_url: str
-    timeout: float = 120.0  # per leg; for streams, the longest gap between chunks
-    prefill_side_channel: tuple[str, int] | None = None
-    decode_kv_extra: dict[str, Any] = field(default_factory=dict)  # e.g. for baselines
-
-
-CONFIG = web.AppKey("config", RouterConfig)
-METRICS = web.AppKey("metrics", RouterMetrics)
-SESSION = web.AppKey("session", aiohttp.ClientSession)
-BACKGROUND: web.AppKey[set[asyncio.Task[Any]]] = web.AppKey("background")
+# How long to wait for D's own refusal once P refused (both validate the same fields).
+_REFUSAL_GRACE_S = 1.0
+_ASK_AGAIN_S = 10.0
 
 
 def make_app(config: RouterConfig) -> web.Application:
@@ -59,12 +53,13 @@ def make_app(config: RouterConfig) -> web.Application:
     app[CONFIG] = config
     app[METRICS] = RouterMetrics()
     app[BACKGROUND] = set()
+    app[LIMITS] = {}
     app.cleanup_ctx.append(_session_ctx)
     app.router.add_post("/v1/completions", _completions)
     app.router.add_post("/v1/chat/completions", _chat_completions)
-    app.router.add_get("/v1/models", _models)
-    app.router.add_get("/health", _health)
-    app.router.add_get("/metrics", _metrics)
+    app.router.add_get("/v1/models", info.models)
+    app.router.add_get("/health", info.health)
+    app.router.add_get("/metrics", info.metrics)
     return app
 
 
@@ -90,11 +85,6 @@ def _json_error(status: int, payload: dict[str, Any], transfer_id: str | None) -
     return web.json_response(payload, status=status, headers=headers)
 
 
-def _bad_request(message: str) -> web.Response:
-    payload = {"error": {"message": message, "type": "invalid_request_error", "code": 400}}
-    return _json_error(400, payload, None)
-
-
 async def _completions(request: web.Request) -> web.StreamResponse:
     return await _proxy(request, "/v1/completions", chat=False)
 
@@ -104,47 +94,68 @@ async def _chat_completions(request: web.Request) -> web.StreamResponse:
 
 
 async def _proxy(request: web.Request, path: str, chat: bool) -> web.StreamResponse:
+    raw = await request.read()
     try:
-        body = await request.json()
+        body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError):
-        return _bad_request("request body is not valid JSON")
-    if not isinstance(body, dict):
-        return _bad_request("request body must be a JSON object")
+        body = None
     app = request.app
     cfg, metrics = app[CONFIG], app[METRICS]
     tid = uuid.uuid4().hex
     # The same request id on both legs lets P and D match each other even without
-    # transfer_id support (the in-tree connectors match on it).
+    # transfer_id support (the in-tree connectors match on it), and gives the engine
+    # sub-requests of one client request the same ids on both (the connector's keys).
     headers = {"X-Request-Id": tid}
     if "Authorization" in request.headers:
         headers["Authorization"] = request.headers["Authorization"]
-    stream = body.get("stream") is True
+    stream = isinstance(body, dict) and body.get("stream") is True
     endpoint = path.rsplit("/", 1)[-1] if not chat else "chat_completions"
     metrics.request_started(endpoint, stream)
     start = time.monotonic()
-    # Both legs are created before anything is awaited: they run concurrently.
-    prefill = asyncio.create_task(
-        _timed(
-            metrics,
-            "prefill",
-            legs.call_unary(
-                app[SESSION],
-                "prefill",
-                cfg.prefill_url + path,
-                legs.prefill_body(body, tid, chat),
-                headers,
-                cfg.timeout,
-            ),
-        )
-    )
-    dbody = legs.decode_body(body, tid, cfg.prefill_side_channel, cfg.decode_kv_extra)
-    log.debug("transfer %s: legs started (stream=%s)", tid, stream)
     try:
+        alone: str | None = "not_json"
+        if isinstance(body, dict):
+            alone = bodies.decoder_alone(body, chat, await _max_model_len(app))
+        if alone is not None:
+            metrics.decoder_alone(alone)
+            log.debug("transfer %s: to the decoder alone (%s)", tid, alone)
+            headers["Content-Type"] = request.headers.get("Content-Type", "application/json")
+            return await _serve_alone(request, path, raw, headers, tid)
+        assert isinstance(body, dict)
+        # Both legs are created before anything is awaited: they run concurrently.
+        prefill = asyncio.create_task(
+            _timed(
+                metrics,
+                "prefill",
+                legs.call_unary(
+                    app[SESSION],
+                    "prefill",
+                    cfg.prefill_url + path,
+                    bodies.prefill_body(body, tid, chat),
+                    headers,
+                    cfg.timeout,
+                ),
+            )
+        )
+        dbody = bodies.decode_body(body, tid, cfg.prefill_side_channel, cfg.decode_kv_extra)
+        log.debug("transfer %s: legs started (stream=%s)", tid, stream)
         if stream:
             return await _serve_stream(request, path, dbody, headers, prefill, tid)
         return await _serve_unary(request, path, dbody, headers, prefill, tid)
     finally:
         metrics.request_finished(endpoint, time.monotonic() - start)
+
+
+async def _max_model_len(app: web.Application) -> int | None:
+    """D's context length, from its /v1/models: asked once, or again every
+    `_ASK_AGAIN_S` while D cannot say (then None: no request waits on it)."""
+    limits = app[LIMITS]
+    now = time.monotonic()
+    if limits.get("max_model_len") is None and now >= (limits.get("ask_at") or 0.0):
+        limits["ask_at"] = now + _ASK_AGAIN_S
+        limits["max_model_len"] = await info.max_model_len(app)
+    value = limits.get("max_model_len")
+    return int(value) if value is not None else None
 
 
 async def _timed(metrics: RouterMetrics, leg: str, coro: Awaitable[T]) -> T:
@@ -162,8 +173,21 @@ async def _until_decode_done(prefill: asyncio.Task[Any], decode: asyncio.Task[T]
         # Checked before the decode result: a decode leg that fails because P failed
         # should be reported as the prefill failure that caused it.
         if prefill.done() and not prefill.cancelled() and prefill.exception() is not None:
-            raise prefill.exception()  # type: ignore[misc]
+            err = prefill.exception()
+            if isinstance(err, legs.LegError) and err.refused:
+                await asyncio.wait({decode}, timeout=_REFUSAL_GRACE_S)
+                own = _refusal(decode)
+                if own is not None:
+                    raise own
+            raise err  # type: ignore[misc]
     return decode.result()
+
+
+def _refusal(task: asyncio.Task[Any]) -> legs.LegError | None:
+    if not task.done() or task.cancelled():
+        return None
+    err = task.exception()
+    return err if isinstance(err, legs.LegError) and err.refused else None
 
 
 def _settle(
@@ -171,11 +195,13 @@ def _settle(
 ) -> None:
     """Cancel what is left of a request; keep a still-running prefill leg only on success."""
     for task in others:
-        if isinstance(task, asyncio.Task) and not task.done():
+        if isinstance(task, asyncio.Task):
+            # Its error (say, a write to a client that left) is the handler's to report;
+            # retrieved here so that it is not logged again as never retrieved.
+            task.add_done_callback(_retrieve)
             task.cancel()
-    if prefill.done():
-        return
-    if not decode_ok:
+    if prefill.done() or not decode_ok:
+        prefill.add_done_callback(_retrieve)
         prefill.cancel()
         return
     background = app[BACKGROUND]
@@ -196,8 +222,22 @@ def _settle(
     prefill.add_done_callback(_done)
 
 
+def _count(app: web.Application, err: legs.LegError) -> None:
+    app[METRICS].error(err.leg, "refused" if err.refused else err.kind)
+
+
+def _retrieve(task: asyncio.Task[Any]) -> None:
+    if not task.cancelled():
+        task.exception()
+
+
 def _leg_failed(app: web.Application, err: legs.LegError, tid: str) -> web.Response:
-    app[METRICS].error(err.leg, err.kind)
+    _count(app, err)
+    if err.refused:
+        # The client's mistake: vLLM's own status and body, as one plain server answers.
+        log.info("transfer %s: %s", tid, err)
+        headers = {"Content-Type": err.content_type, "X-Request-Id": tid}
+        return web.Response(body=err.body, status=err.http_status, headers=headers)
     log.warning("transfer %s: %s", tid, err)
     return _json_error(err.http_status, err.to_json(tid), tid)
 
@@ -271,26 +311,70 @@ async def _serve_stream(
     try:
         await out.prepare(request)
         pump = asyncio.create_task(
-            _timed(app[METRICS], "decode", _pump(upstream, out, cfg.timeout))
+            _timed(app[METRICS], "decode", sse.pump(upstream, out, "decode", cfg.timeout))
         )
         ok = await _until_decode_done(prefill, pump)
     except legs.LegError as err:
-        app[METRICS].error(err.leg, err.kind)
+        _count(app, err)
         log.warning("transfer %s: failed mid-stream: %s", tid, err)
-        # The OpenAI convention for an error after the stream has started.
-        event = b"data: " + json.dumps(err.to_json(tid)).encode() + b"\n\n"
-        try:
-            await out.write(event)
-        except ConnectionError:
-            pass  # the client is gone too
+        await sse.write_error(out, err.to_json(tid))
     except ConnectionError:
         log.info("transfer %s: client went away mid-stream", tid)
     finally:
-        upstream.release()
+        # An unfinished stream's connection is closed, not pooled: D sees the hang-up
+        # and aborts the request.
+        upstream.release() if ok else upstream.close()
         _settle(app, tid, prefill, ok, pump)
     if ok:
         await out.write_eof()
     return out
+
+
+async def _serve_alone(
+    request: web.Request, path: str, raw: bytes, headers: dict[str, str], tid: str
+) -> web.StreamResponse:
+    """The request as the client sent it, to the decoder alone; its answer, whatever it is."""
+    app = request.app
+    cfg = app[CONFIG]
+    url = cfg.decode_url + path
+    try:
+        upstream = await legs.open_stream(
+            app[SESSION], "decode", url, raw, headers, cfg.timeout, any_status=True
+        )
+    except legs.LegError as err:
+        return _leg_failed(app, err, tid)
+    ok = False
+    try:
+        ctype = upstream.headers.get("Content-Type", "application/json")
+        out_headers = {"Content-Type": ctype, "X-Request-Id": tid}
+        if not ctype.startswith("text/event-stream"):
+            try:
+                data = await _timed(
+                    app[METRICS], "decode", legs.read_all(upstream, "decode", cfg.timeout)
+                )
+            except legs.LegError as err:
+                return _leg_failed(app, err, tid)
+            ok = True
+            return web.Response(body=data, status=upstream.status, headers=out_headers)
+        out = web.StreamResponse(
+            status=upstream.status, headers={**out_headers, "Cache-Control": "no-cache"}
+        )
+        await out.prepare(request)
+        try:
+            ok = await _timed(
+                app[METRICS], "decode", sse.pump(upstream, out, "decode", cfg.timeout)
+            )
+        except legs.LegError as err:
+            _count(app, err)
+            log.warning("transfer %s: failed mid-stream: %s", tid, err)
+            await sse.write_error(out, err.to_json(tid))
+        except ConnectionError:
+            log.info("transfer %s: client went away mid-stream", tid)
+        if ok:
+            await out.write_eof()
+        return out
+    finally:
+        upstream.release() if ok else upstream.close()
 
 
 def _abandon_stream(
@@ -304,49 +388,3 @@ def _abandon_stream(
     if opening.done() and not opening.cancelled() and opening.exception() is None:
         opening.result().release()
     _settle(app, tid, prefill, False, opening)
-
-
-async def _pump(upstream: aiohttp.ClientResponse, out: web.StreamResponse, timeout: float) -> bool:
-    """Copy the decode stream to the client piece by piece as it arrives."""
-    while True:
-        chunk = await legs.read_chunk(upstream, "decode", timeout)
-        if not chunk:
-            return True
-        await out.write(chunk)
-
-
-async def _models(request: web.Request) -> web.StreamResponse:
-    # Benchmark clients ask for the model name; D serves the same model as P.
-    app = request.app
-    cfg = app[CONFIG]
-    try:
-        async with asyncio.timeout(_HEALTH_TIMEOUT_S):
-            async with app[SESSION].get(cfg.decode_url + "/v1/models") as resp:
-                data = await resp.read()
-                ctype = resp.headers.get("Content-Type", "application/json")
-                return web.Response(body=data, status=resp.status, headers={"Content-Type": ctype})
-    except TimeoutError:
-        err = legs.LegError("decode", "timeout", "no /v1/models answer in time")
-    except (aiohttp.ClientError, OSError) as exc:
-        err = legs.LegError("decode", "connection", f"{type(exc).__name__}: {exc}")
-    return _json_error(err.http_status, err.to_json(""), None)
-
-
-async def _health(request: web.Request) -> web.Response:
-    app = request.app
-    cfg = app[CONFIG]
-    timeout = min(cfg.timeout, _HEALTH_TIMEOUT_S)
-    prefill, decode = await asyncio.gather(
-        legs.probe_health(app[SESSION], cfg.prefill_url, timeout),
-        legs.probe_health(app[SESSION], cfg.decode_url, timeout),
-    )
-    ok = prefill["ok"] and decode["ok"]
-    payload = {"status": "ok" if ok else "unavailable", "prefill": prefill, "decode": decode}
-    return web.json_response(payload, status=200 if ok else 503)
-
-
-async def _metrics(request: web.Request) -> web.Response:
-    text = request.app[METRICS].render()
-    return web.Response(
-        body=text.encode(), headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"}
-    )

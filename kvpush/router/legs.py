@@ -19,23 +19,43 @@ ErrorKind = Literal["timeout", "upstream", "connection"]
 
 # Upstream error bodies are echoed to the client for diagnosis, but bounded.
 _MAX_DETAIL = 500
+# A refusal (4xx) is passed to the client whole, up to this size.
+_MAX_REFUSAL = 64 * 1024
 
 
 class LegError(Exception):
     """One leg failed; carries what the client needs to know about why."""
 
     def __init__(
-        self, leg: LegName, kind: ErrorKind, message: str, upstream_status: int | None = None
+        self,
+        leg: LegName,
+        kind: ErrorKind,
+        message: str,
+        upstream_status: int | None = None,
+        body: bytes = b"",
+        content_type: str = "application/json",
     ) -> None:
         super().__init__(f"{leg} leg {kind}: {message}")
         self.leg: LegName = leg
         self.kind: ErrorKind = kind
         self.message = message
         self.upstream_status = upstream_status
+        self.body = body
+        self.content_type = content_type
+
+    @property
+    def refused(self) -> bool:
+        """The upstream refused the request itself (4xx): the client's mistake, not an
+        outage; the client gets that status and the upstream's own body."""
+        status = self.upstream_status
+        return self.kind == "upstream" and status is not None and 400 <= status < 500
 
     @property
     def http_status(self) -> int:
-        """504 for a timeout, 502 for anything else the upstream did wrong."""
+        """The upstream's own 4xx; else 504 for a timeout, 502 for anything else."""
+        if self.refused:
+            assert self.upstream_status is not None
+            return self.upstream_status
         return 504 if self.kind == "timeout" else 502
 
     def to_json(self, transfer_id: str) -> dict[str, Any]:
@@ -62,39 +82,12 @@ class LegResult:
     content_type: str
 
 
-def prefill_body(body: dict[str, Any], transfer_id: str, chat: bool) -> dict[str, Any]:
-    """The client body turned into the prefill leg: one token, no stream, push to D."""
-    out = dict(body)
-    out["max_tokens"] = 1
-    if chat and "max_completion_tokens" in out:
-        out["max_completion_tokens"] = 1
-    out["stream"] = False
-    # vLLM rejects stream_options without stream, and min_tokens > max_tokens.
-    out.pop("stream_options", None)
-    out.pop("min_tokens", None)
-    out["kv_transfer_params"] = {"do_remote_decode": True, "transfer_id": transfer_id}
-    return out
-
-
-def decode_body(
-    body: dict[str, Any],
-    transfer_id: str,
-    side_channel: tuple[str, int] | None,
-    extra: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    """The client body turned into the decode leg: expects P's KV for `transfer_id`."""
-    params: dict[str, Any] = dict(extra or {})
-    params.update({"do_remote_prefill": True, "transfer_id": transfer_id})
-    if side_channel is not None:
-        params["remote_host"], params["remote_port"] = side_channel
-    out = dict(body)
-    out["kv_transfer_params"] = params
-    return out
-
-
-def _upstream_error(leg: LegName, status: int, data: bytes) -> LegError:
+def _upstream_error(leg: LegName, resp: aiohttp.ClientResponse, data: bytes) -> LegError:
     detail = data[:_MAX_DETAIL].decode("utf-8", errors="replace")
-    return LegError(leg, "upstream", f"HTTP {status}: {detail}", upstream_status=status)
+    ctype = resp.headers.get("Content-Type", "application/json")
+    return LegError(
+        leg, "upstream", f"HTTP {resp.status}: {detail}", resp.status, data[:_MAX_REFUSAL], ctype
+    )
 
 
 async def call_unary(
@@ -111,7 +104,7 @@ async def call_unary(
             async with session.post(url, json=body, headers=headers) as resp:
                 data = await resp.read()
                 if not 200 <= resp.status < 300:
-                    raise _upstream_error(leg, resp.status, data)
+                    raise _upstream_error(leg, resp, data)
                 ctype = resp.headers.get("Content-Type", "application/json")
                 return LegResult(resp.status, data, ctype)
     except TimeoutError:
@@ -124,26 +117,42 @@ async def open_stream(
     session: aiohttp.ClientSession,
     leg: LegName,
     url: str,
-    body: dict[str, Any],
+    body: dict[str, Any] | bytes,
     headers: dict[str, str],
     timeout: float,
+    any_status: bool = False,
 ) -> aiohttp.ClientResponse:
-    """POST `body` and return the response once its 2xx headers are in.
+    """POST `body` (a JSON object, or bytes sent as they are) and return the response
+    once its headers are in: 2xx only, unless `any_status`.
 
-    The caller owns the returned response and must `release()` it.
+    The caller owns the returned response and must `release()` or `close()` it.
     """
     try:
         async with asyncio.timeout(timeout):
-            resp = await session.post(url, json=body, headers=headers)
-            if not 200 <= resp.status < 300:
+            if isinstance(body, bytes):
+                resp = await session.post(url, data=body, headers=headers)
+            else:
+                resp = await session.post(url, json=body, headers=headers)
+            if not any_status and not 200 <= resp.status < 300:
                 try:
                     data = await resp.read()
                 finally:
                     resp.release()
-                raise _upstream_error(leg, resp.status, data)
+                raise _upstream_error(leg, resp, data)
             return resp
     except TimeoutError:
         raise LegError(leg, "timeout", f"no response headers within {timeout:g}s") from None
+    except (aiohttp.ClientError, OSError) as exc:
+        raise LegError(leg, "connection", f"{type(exc).__name__}: {exc}") from exc
+
+
+async def read_all(resp: aiohttp.ClientResponse, leg: LegName, timeout: float) -> bytes:
+    """The rest of a response's body, within `timeout` seconds."""
+    try:
+        async with asyncio.timeout(timeout):
+            return await resp.read()
+    except TimeoutError:
+        raise LegError(leg, "timeout", f"no complete answer within {timeout:g}s") from None
     except (aiohttp.ClientError, OSError) as exc:
         raise LegError(leg, "connection", f"{type(exc).__name__}: {exc}") from exc
 

@@ -24,6 +24,7 @@ class RouterMetrics:
     def __init__(self) -> None:
         self.requests: Counter[tuple[str, bool]] = Counter()  # (endpoint, stream)
         self.errors: Counter[tuple[str, str]] = Counter()  # (leg, kind)
+        self.alone: Counter[str] = Counter()  # requests sent to the decoder alone, by reason
         self.in_flight = 0
         self.latency_sum: defaultdict[str, float] = defaultdict(float)  # by endpoint
         self.latency_count: Counter[str] = Counter()
@@ -43,6 +44,9 @@ class RouterMetrics:
         self.leg_latency_sum[leg] += seconds
         self.leg_latency_count[leg] += 1
 
+    def decoder_alone(self, reason: str) -> None:
+        self.alone[reason] += 1
+
     def error(self, leg: str, kind: str) -> None:
         self.errors[(leg, kind)] += 1
 
@@ -58,9 +62,14 @@ class RouterMetrics:
         name = family("requests_total", "counter", "Client requests received.")
         for (endpoint, stream), n in sorted(self.requests.items()):
             lines.append(f"{name}{_labels(endpoint=endpoint, stream=str(stream).lower())} {n}")
-        name = family("errors_total", "counter", "Failed legs by leg and kind.")
+        name = family("errors_total", "counter", "Failed legs by leg and kind (refused: HTTP 4xx).")
         for (leg, kind), n in sorted(self.errors.items()):
             lines.append(f"{name}{_labels(leg=leg, kind=kind)} {n}")
+        name = family(
+            "decoder_alone_total", "counter", "Requests served by the decoder alone, by reason."
+        )
+        for reason, n in sorted(self.alone.items()):
+            lines.append(f"{name}{_labels(reason=reason)} {n}")
         name = family("in_flight", "gauge", "Client requests being served.")
         lines.append(f"{name} {self.in_flight}")
         name = family("request_latency_seconds", "summary", "Client request latency.")

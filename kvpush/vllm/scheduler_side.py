@@ -8,9 +8,11 @@ tested with plain objects.
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any
 
 from kvpush.core import trace
+from kvpush.core.ids import base_request_id
 from kvpush.core.scheduler import PushScheduler, SchedulerConfig
 from kvpush.core.types import RecvRegistration, StepMeta, WorkerOutput
 from kvpush.vllm.config import ConnectorOptions
@@ -20,11 +22,35 @@ log = logging.getLogger(__name__)
 # A mark in the request's own params: its blocks are registered (the engine calls
 # update_state_after_alloc again once the KV has arrived).
 _REGISTERED = "_kvpush_registered"
+# vLLM's id of prompt i of a client request (completions: always; chat: with several).
+_PROMPT_INDEX = re.compile(r"(?:cmpl-.*-|chatcmpl-.*_)(\d+)$")
 
 
 def _params(request: Any) -> dict[str, Any]:
     params = getattr(request, "kv_transfer_params", None)
     return params if isinstance(params, dict) else {}
+
+
+def transfer_key(request_id: str, transfer_id: Any) -> str | None:
+    """The key of one engine request's transfer: the router's ``transfer_id`` plus which
+    engine sub-request of the client request this is.
+
+    vLLM turns one client request into several engine requests, all with the same
+    ``kv_transfer_params``: prompt ``i`` gets ``cmpl-<id>-<i>`` (chat, when it has several:
+    ``chatcmpl-<id>_<i>``), sample ``j`` of ``n`` the prefix ``<j>_``, and each engine adds
+    its random suffix. P and
+    D see the same ids up to that suffix (the router sends the same ``X-Request-Id`` to
+    both), so both derive the same key per sub-request; sub-request (0, 0) keeps the bare
+    ``transfer_id``."""
+    if not transfer_id:
+        return None
+    child, sep, rest = request_id.partition("_")
+    sample = int(child) if sep and child.isdigit() else 0
+    base = base_request_id(rest if sep and child.isdigit() else request_id)
+    index = _PROMPT_INDEX.match(base)
+    prompt = int(index.group(1)) if index else 0
+    tid = str(transfer_id)
+    return tid if prompt == sample == 0 else f"{tid}:{prompt}:{sample}"
 
 
 class SchedulerSide:
@@ -59,7 +85,11 @@ class SchedulerSide:
             return 0, False
         count = len(getattr(request, "prompt_token_ids", None) or ()) - num_computed_tokens
         if trace.ON:
-            trace.mark("d_sched.matched", params.get("transfer_id"), request.request_id)
+            trace.mark(
+                "d_sched.matched",
+                transfer_key(request.request_id, params.get("transfer_id")),
+                request.request_id,
+            )
         return (count, True) if count > 0 else (0, False)
 
     def update_state_after_alloc(
@@ -72,7 +102,11 @@ class SchedulerSide:
         params = _params(request)
         if self.is_producer and params.get("do_remote_decode"):
             if trace.ON:
-                trace.mark("p_sched.alloc", params.get("transfer_id"), request.request_id)
+                trace.mark(
+                    "p_sched.alloc",
+                    transfer_key(request.request_id, params.get("transfer_id")),
+                    request.request_id,
+                )
             if self.opts.hand_over == "forward":
                 self._new_p[request.request_id] = request
         if (
@@ -94,7 +128,7 @@ class SchedulerSide:
                 remote_host=str(params["remote_host"]),
                 remote_port=int(params["remote_port"]),
                 remote_tp_size=int(params.get("remote_tp_size", params.get("tp_size", 1))),
-                transfer_id=str(params["transfer_id"]) if params.get("transfer_id") else None,
+                transfer_id=transfer_key(rid, params.get("transfer_id")),
                 remote_pp_size=int(params.get("remote_pp_size", 1)),
             )
         except (KeyError, TypeError, ValueError) as e:
@@ -116,9 +150,8 @@ class SchedulerSide:
             for new in getattr(scheduler_output, "scheduled_new_reqs", None) or ():
                 request = new_p.get(new.req_id)
                 if request is not None and self._ends_here(request, new, counts):
-                    tid = _params(request).get("transfer_id")
-                    blocks = [list(new.block_ids[0])]
-                    self.sched.hand_over(new.req_id, blocks, str(tid) if tid else None)
+                    tid = transfer_key(new.req_id, _params(request).get("transfer_id"))
+                    self.sched.hand_over(new.req_id, [list(new.block_ids[0])], tid)
                     if trace.ON:
                         trace.mark("p_sched.hand_over", tid, new.req_id)
         if trace.ON and self._traced:
@@ -155,7 +188,7 @@ class SchedulerSide:
         params = _params(request)
         rid = request.request_id
         if trace.ON:
-            trace.mark("sched.finished", params.get("transfer_id"), rid)
+            trace.mark("sched.finished", transfer_key(rid, params.get("transfer_id")), rid)
         if self.is_consumer and params.get("do_remote_prefill"):
             # Still waiting for P's WRITE? Then keep the blocks until P cannot touch them.
             return self.sched.abort(rid), None
@@ -166,8 +199,8 @@ class SchedulerSide:
         early = self.sched.handed_over(rid)  # its push may be reading: held, whatever it ended as
         if not early and (not block_ids or not done):
             return False, None
-        tid = params.get("transfer_id")
-        held = self.sched.request_finished(rid, [list(block_ids)], str(tid) if tid else None)
+        tid = transfer_key(rid, params.get("transfer_id"))
+        held = self.sched.request_finished(rid, [list(block_ids)], tid)
         if not done:
             return held, None
         return held, {

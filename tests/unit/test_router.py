@@ -19,8 +19,8 @@ import pytest
 from aiohttp import web
 
 from kvpush.router import RouterConfig, make_app
+from kvpush.router.bodies import decode_body, prefill_body
 from kvpush.router.cli import parse_host_port
-from kvpush.router.legs import decode_body, prefill_body
 
 DEADLINE = 5.0  # how long a stub waits for the other leg before failing the test
 SIDE_CHANNEL = ("127.0.0.1", 5600)
@@ -245,7 +245,7 @@ def test_prefill_failure_mid_stream_ends_stream_with_error_event() -> None:
                             first_chunk_read.set()
         assert events[0] == b'{"i": 0}'
         assert json.loads(events[1])["error"]["leg"] == "prefill"
-        assert len(events) == 2
+        assert events[2:] == [b"[DONE]"]  # after the error, as vLLM ends a failed stream
 
     asyncio.run(main())
 
@@ -356,11 +356,22 @@ def test_health_and_metrics() -> None:
     asyncio.run(main())
 
 
-def test_bad_json_is_400() -> None:
+def test_body_that_is_not_json_goes_to_the_decoder_alone_as_sent() -> None:
+    seen: list[bytes] = []
+
+    async def prefill(request: web.Request) -> web.Response:
+        raise AssertionError("P must not see a body that is not a request")
+
+    async def decode(request: web.Request) -> web.Response:
+        seen.append(await request.read())
+        return web.json_response({"error": {"message": "bad json", "code": 400}}, status=400)
+
     async def main() -> None:
-        async with running(stub(ok_prefill), stub(ok_prefill)) as (url, cl):
+        async with running(stub(prefill), stub(decode)) as (url, cl):
             async with cl.post(url + "/v1/completions", data=b"{not json") as resp:
                 assert resp.status == 400
+                assert (await resp.json())["error"]["message"] == "bad json"
+        assert seen == [b"{not json"]
 
     asyncio.run(main())
 
@@ -370,6 +381,32 @@ def test_leg_bodies_and_side_channel_parsing() -> None:
     p = prefill_body(body, "t", chat=False)
     assert p["max_tokens"] == 1 and p["stream"] is False
     assert "stream_options" not in p and "min_tokens" not in p
+    # P computes the prompt and pushes it: nothing that only shapes D's output.
+    output_only = {
+        "logprobs": 3,
+        "logit_bias": {"5": 1.0},
+        "stop": ["x"],
+        "stop_token_ids": [3],
+        "response_format": {"type": "json_object"},
+        "n": 2,
+        "seed": 7,
+        "temperature": 0.5,
+    }
+    p = prefill_body({**body, **output_only}, "t", chat=False)
+    # Cheap for one token, and validated by P as by D: kept.
+    assert {k for k in output_only if k in p} == {
+        "n",
+        "seed",
+        "temperature",
+        "logit_bias",
+        "stop",
+        "stop_token_ids",
+    }
+    chat = {"messages": [], "tools": [{"type": "function"}], "top_logprobs": 2, "logprobs": True}
+    chat.update(response_format={"type": "json_object"}, max_completion_tokens=5, echo=True)
+    p = prefill_body(chat, "t", chat=True)
+    assert p["tools"] == chat["tools"] and p["response_format"] == chat["response_format"]
+    assert p["max_completion_tokens"] == 1 and "logprobs" not in p and "top_logprobs" not in p
     d = decode_body(body, "t", None)
     assert d["kv_transfer_params"] == {"do_remote_prefill": True, "transfer_id": "t"}
     assert d["stream_options"] == {} and body.get("kv_transfer_params") is None
@@ -378,3 +415,241 @@ def test_leg_bodies_and_side_channel_parsing() -> None:
     for bad in ("nohost", ":5", "h:0", "h:x"):
         with pytest.raises(ValueError):
             parse_host_port(bad)
+
+
+REFUSAL = {"error": {"message": "bad field", "type": "BadRequestError", "param": None, "code": 400}}
+
+
+def waits_until_cancelled(arrived: asyncio.Event, cancelled: asyncio.Event) -> Handler:
+    """An upstream that, like a real D or P waiting for its peer, never answers by itself."""
+
+    async def handler(request: web.Request) -> web.Response:
+        await request.read()
+        arrived.set()
+        try:
+            await asyncio.wait_for(asyncio.Event().wait(), 4 * DEADLINE)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+        return web.json_response({})
+
+    return handler
+
+
+def refuses(status: int, payload: dict[str, Any] = REFUSAL) -> Handler:
+    async def handler(request: web.Request) -> web.Response:
+        await request.read()
+        return web.json_response(payload, status=status)
+
+    return handler
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("status", [400, 404])
+def test_decode_refusal_is_passed_through_at_once_and_cancels_prefill(
+    stream: bool, status: int
+) -> None:
+    arrived, cancelled = asyncio.Event(), asyncio.Event()
+
+    async def main() -> None:
+        prefill = stub(waits_until_cancelled(arrived, cancelled))
+        async with running(prefill, stub(refuses(status))) as (url, cl):
+            start = time.monotonic()
+            async with cl.post(url + "/v1/completions", json=completion_body(stream)) as resp:
+                assert resp.status == status
+                assert await resp.json() == REFUSAL  # vLLM's own body, not the router's
+                assert resp.headers["Content-Type"].startswith("application/json")
+            assert time.monotonic() - start < 2.0
+            await asyncio.wait_for(cancelled.wait(), DEADLINE)  # P aborts the request
+            async with cl.get(url + "/metrics") as resp:
+                text = await resp.text()
+        assert 'kvpush_router_errors_total{kind="refused",leg="decode"} 1' in text
+
+    asyncio.run(main())
+
+
+def test_prefill_refusal_is_passed_through_and_cancels_decode() -> None:
+    arrived, cancelled = asyncio.Event(), asyncio.Event()
+
+    async def main() -> None:
+        decode = stub(waits_until_cancelled(arrived, cancelled))
+        async with running(stub(refuses(422)), decode) as (url, cl):
+            async with cl.post(url + "/v1/completions", json=completion_body()) as resp:
+                assert resp.status == 422
+                assert await resp.json() == REFUSAL
+            await asyncio.wait_for(cancelled.wait(), DEADLINE)
+
+    asyncio.run(main())
+
+
+def test_when_both_refuse_the_decode_legs_refusal_wins() -> None:
+    # D got the client's own body, so its refusal is the one a plain server gives.
+    mine = {"error": {"message": "decode's words", "code": 400}}
+    p_sent = asyncio.Event()
+
+    async def prefill(request: web.Request) -> web.Response:
+        await request.read()
+        p_sent.set()
+        return web.json_response(REFUSAL, status=400)
+
+    async def decode(request: web.Request) -> web.Response:
+        await request.read()
+        await asyncio.wait_for(p_sent.wait(), DEADLINE)
+        return web.json_response(mine, status=400)
+
+    async def main() -> None:
+        async with running(stub(prefill), stub(decode)) as (url, cl):
+            async with cl.post(url + "/v1/completions", json=completion_body()) as resp:
+                assert resp.status == 400
+                assert await resp.json() == mine
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("how", ["eof", "abort"])
+def test_stream_cut_by_the_decoder_ends_with_an_error_event(how: str) -> None:
+    first_read = asyncio.Event()
+
+    async def decode(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b'data: {"i": 0}\n\n')
+        if how == "abort":  # the decoder dies: the connection breaks mid-body
+            await asyncio.wait_for(first_read.wait(), DEADLINE)
+            assert request.transport is not None
+            request.transport.abort()
+        return resp  # "eof": a clean-looking end, but without [DONE]
+
+    async def main() -> None:
+        events: list[bytes] = []
+        async with running(stub(ok_prefill), stub(decode)) as (url, cl):
+            async with asyncio.timeout(DEADLINE):
+                async with cl.post(url + "/v1/completions", json=completion_body(True)) as resp:
+                    assert resp.status == 200
+                    async for line in resp.content:
+                        if line.startswith(b"data: "):
+                            events.append(line[6:].strip())
+                            first_read.set()
+        assert events[0] == b'{"i": 0}'
+        err = json.loads(events[1])["error"]
+        assert err["leg"] == "decode" and err["type"] == "upstream_error"
+        assert events[2:] == [b"[DONE]"]
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"prompt_logprobs": 1},
+        {"echo": True, "logprobs": 1},
+        {"use_beam_search": True, "n": 2},
+    ],
+    ids=["prompt_logprobs", "echo_logprobs", "beam_search"],
+)
+def test_requests_p_cannot_help_go_to_the_decoder_alone(extra: dict[str, Any]) -> None:
+    seen: list[dict[str, Any]] = []
+
+    async def prefill(request: web.Request) -> web.Response:
+        raise AssertionError("P must not get this request")
+
+    async def decode(request: web.Request) -> web.Response:
+        seen.append(await request.json())
+        return web.json_response({"choices": [{"text": "D"}]})
+
+    async def main() -> None:
+        body = {**completion_body(), **extra}
+        async with running(stub(prefill), stub(decode)) as (url, cl):
+            async with cl.post(url + "/v1/completions", json=body) as resp:
+                assert resp.status == 200
+                assert (await resp.json())["choices"][0]["text"] == "D"
+            async with cl.get(url + "/metrics") as resp:
+                text = await resp.text()
+        assert seen == [body]  # as sent: no kv_transfer_params, D computes the prompt itself
+        assert "kvpush_router_decoder_alone_total" in text
+
+    asyncio.run(main())
+
+
+def test_chat_echo_asks_for_prompt_logprobs() -> None:
+    from kvpush.router.bodies import decoder_alone
+
+    assert decoder_alone({"messages": [], "echo": True}, chat=True) == "prompt_logprobs"
+    assert decoder_alone({"messages": [], "echo": True, "top_logprobs": None}, chat=True) is None
+    assert decoder_alone({"prompt": "x", "echo": True}, chat=False) is None
+    assert decoder_alone({"prompt": "x", "logprobs": 2, "n": 3}, chat=False) is None
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"prompt": "x", "stream_options": {"include_usage": True}},
+        {"prompt": "x", "logprobs": -3},
+        {"prompt": "x", "logprobs": "2"},
+        {"prompt": "x", "logprobs": 500},
+        {"prompt": "x", "min_tokens": 9, "max_tokens": 4},
+        {"prompt": "x", "min_tokens": -1},
+        {"prompt": "x", "logprob_token_ids": [1]},
+        {"prompt": "x", "structured_outputs": {"choice": ["a"], "regex": "b"}},
+        {"prompt": "x", "response_format": {"type": "json_schema"}},
+        {"messages": [], "top_logprobs": 2},
+        {"messages": [], "logprobs": "yes"},
+        {"messages": [], "min_tokens": 5, "max_completion_tokens": 2},
+        {"prompt": "x", "max_tokens": "six"},  # P gets max_tokens=1: it cannot judge these
+        {"prompt": "x", "max_tokens": 0},
+        {"prompt": "x", "max_tokens": 4096},  # above the decoder's max_model_len (2048 here)
+        {"messages": [], "max_completion_tokens": -1},
+    ],
+)
+def test_doubtful_fields_p_does_not_get_send_the_request_to_the_decoder_alone(
+    body: dict[str, Any],
+) -> None:
+    from kvpush.router.bodies import decoder_alone
+
+    # P would accept it (it never sees the field) where D may refuse it.
+    assert decoder_alone(body, "messages" in body, max_model_len=2048) == "doubtful_field"
+
+
+def test_valid_fields_p_does_not_get_keep_the_request_split() -> None:
+    from kvpush.router.bodies import decoder_alone
+
+    ok: list[dict[str, Any]] = [
+        {"prompt": "x", "stream": True, "stream_options": {"include_usage": True}},
+        {"prompt": "x", "logprobs": 5, "min_tokens": 2, "max_tokens": 4},
+        {"prompt": "x", "structured_outputs": {"choice": ["a"]}},
+        {"prompt": "x", "response_format": {"type": "json_object"}},
+        {"messages": [], "logprobs": True, "top_logprobs": 3},
+        {"prompt": "x", "max_tokens": 2048, "echo": True},
+        {"prompt": "x", "max_tokens": 0, "echo": True},
+        {"messages": [], "max_tokens": None, "max_completion_tokens": 9},
+    ]
+    for body in ok:
+        assert decoder_alone(body, "messages" in body, max_model_len=2048) is None, body
+
+
+def test_max_tokens_above_the_decoders_context_goes_to_the_decoder_alone() -> None:
+    # P gets max_tokens=1 and cannot refuse it; the router learns D's max_model_len from
+    # its /v1/models (once) and leaves such a request to D.
+    seen: list[dict[str, Any]] = []
+
+    async def prefill(request: web.Request) -> web.Response:
+        raise AssertionError("P must not get this request")
+
+    async def decode(request: web.Request) -> web.Response:
+        seen.append(await request.json())
+        return web.json_response(REFUSAL, status=400)
+
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response({"data": [{"id": "m", "max_model_len": 100}]})
+
+    d = stub(decode)
+    d.router.add_get("/v1/models", models)
+
+    async def main() -> None:
+        async with running(stub(prefill), d) as (url, cl):
+            body = {**completion_body(), "max_tokens": 101}
+            async with cl.post(url + "/v1/completions", json=body) as resp:
+                assert resp.status == 400 and await resp.json() == REFUSAL
+        assert seen == [body]
+
+    asyncio.run(main())

@@ -1,0 +1,221 @@
+"""Through the router, every OpenAI request behaves as on one plain vLLM server.
+
+One set of real servers for the module: a plain vLLM server, a kvpush prefiller and
+decoder, and the router in front of them. Each case of `router_cases.CASES` goes to the
+plain server and through the router; answers must be equal up to what names a server
+(ids, timestamps, the config fingerprint), logprobs within float tolerance. Refusals must
+come back with the plain server's status and body, quickly. Afterwards neither P nor D
+may hold a block, and neither may have failed a push.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from kvpush.deploy.demo import Cluster
+from kvpush.deploy.servers import ServerSpec, VllmServer, metric, wait_healthy
+from kvpush.tiny_model import make_tiny_model
+from tests.conftest import wait_until
+from tests.e2e.router_cases import CASES, COMPLETIONS, PROMPT, Case, ids
+
+pytestmark = pytest.mark.e2e
+
+# What names the server rather than the answer.
+UNSTABLE = {"id", "created", "system_fingerprint"}
+PUSHES = "vllm:kvpush_pushes_received_total"
+FAILURES = "vllm:kvpush_push_failures_total"
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    work = tmp_path_factory.mktemp("router-api")
+    model = make_tiny_model(str(work / "model"))
+    plain = VllmServer(ServerSpec("plain", model, core=1, log_dir=str(work)))
+    cluster = Cluster(model, str(work))
+    try:
+        wait_healthy([plain, cluster.p, cluster.d, cluster.router])
+        yield {"model": model, "plain": plain.url, "cluster": cluster}
+    finally:
+        cluster.stop()
+        plain.stop()
+
+
+def send(base: str, case: Case, model: str, timeout: float = 60.0) -> tuple[int, Any, float]:
+    """(status, parsed answer, seconds): a JSON body, or a stream's list of events."""
+    if case.raw is not None:
+        data = case.raw
+    else:
+        data = json.dumps({"model": model, **case.body}).encode()
+    req = urllib.request.Request(base + case.path, data, {"Content-Type": "application/json"})
+    start = time.monotonic()
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            status, raw = resp.status, resp.read()
+            stream = resp.headers.get("Content-Type", "").startswith("text/event-stream")
+    except urllib.error.HTTPError as e:
+        status, raw, stream = e.code, e.read(), False
+    elapsed = time.monotonic() - start
+    if not stream:
+        return status, json.loads(raw), elapsed
+    events = [line[5:].strip() for line in raw.decode().splitlines() if line.startswith("data:")]
+    return status, [e if e == "[DONE]" else json.loads(e) for e in events], elapsed
+
+
+def strip(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {k: strip(v) for k, v in obj.items() if k not in UNSTABLE}
+    if isinstance(obj, list):
+        return [strip(v) for v in obj]
+    return obj
+
+
+def merged(events: list[Any]) -> dict[Any, Any]:
+    """A stream as what it says per choice: text, token ids and logprobs joined, the last
+    finish and stop reason, the last usage; plus the final usage chunk. How tokens are cut
+    into chunks is not part of the answer: vLLM joins the deltas of a request whose
+    reader lags (its RequestOutputCollector), on any server."""
+    assert events and events[-1] == "[DONE]", events
+    out: dict[Any, Any] = {}
+    for event in events[:-1]:
+        assert "error" not in event, event
+        if not event.get("choices"):
+            out["usage"] = event.get("usage")
+            continue
+        for choice in event["choices"]:
+            got = out.setdefault(choice["index"], {})
+            for key, value in choice.items():
+                _join(got, key, value)
+            if event.get("usage"):
+                got["usage"] = event["usage"]
+    return out
+
+
+def _join(into: dict[str, Any], key: str, value: Any) -> None:
+    if isinstance(value, dict):
+        sub = into.get(key)
+        if not isinstance(sub, dict):
+            sub = into[key] = {}
+        for k, v in value.items():
+            _join(sub, k, v)
+    elif isinstance(value, (str, list)) and key not in ("finish_reason", "stop_reason", "role"):
+        into[key] = into.get(key, value[:0]) + value
+    elif value is not None or key not in into:
+        into[key] = value
+
+
+def differences(a: Any, b: Any, path: str = "") -> list[str]:
+    """Where a and b differ; floats (logprobs) within tolerance."""
+    if isinstance(a, float) and isinstance(b, float):
+        ok = math.isclose(a, b, rel_tol=1e-4, abs_tol=1e-4)
+        return [] if ok else [f"{path}: {a} != {b}"]
+    if isinstance(a, dict) and isinstance(b, dict):
+        if a.keys() != b.keys():
+            return [f"{path}: keys {sorted(a)} != {sorted(b)}"]
+        return [d for k in a for d in differences(a[k], b[k], f"{path}.{k}")]
+    if isinstance(a, list) and isinstance(b, list):
+        if len(a) != len(b):
+            return [f"{path}: {len(a)} items != {len(b)}"]
+        return [
+            d
+            for i, (x, y) in enumerate(zip(a, b, strict=True))
+            for d in differences(x, y, f"{path}[{i}]")
+        ]
+    return [] if a == b else [f"{path}: {a!r} != {b!r}"]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_same_answer_as_one_plain_server(env: dict[str, Any], case: Case) -> None:
+    c: Cluster = env["cluster"]
+    want_status, want, _ = send(env["plain"], case, env["model"])
+    got_status, got, elapsed = send(c.router.url, case, env["model"])
+    assert (400 <= want_status < 500) == case.refused, (want_status, want)
+    assert got_status == want_status, (got, want)
+    if case.refused:
+        assert got == want  # vLLM's own body, word for word
+        assert elapsed < 3.0, f"a refusal took {elapsed:.1f}s"
+        return
+    if case.stream:
+        diff = differences(merged(strip(got)), merged(strip(want)))
+    else:
+        diff = differences(strip(got), strip(want))
+    assert not diff, "\n".join(diff[:20])
+
+
+def test_each_sub_request_got_its_own_push(env: dict[str, Any]) -> None:
+    """Three prompts with n=2: six engine requests on D, six pushes, one per sub-request."""
+    c: Cluster = env["cluster"]
+    prompts = [ids(300, 11), ids(60, 12), ids(129, 13)]
+    case = Case("fan", COMPLETIONS, {"prompt": prompts, "n": 2, "seed": 5, "max_tokens": 3})
+    pushes = metric(c.d.url, PUSHES)
+    status, body, _ = send(c.router.url, case, env["model"])
+    assert status == 200 and len(body["choices"]) == 6, body
+    # vLLM's counters follow its engine's output: poll them.
+    wait_until(lambda: metric(c.d.url, PUSHES) - pushes >= 6, 10.0, what="six pushes")
+    assert metric(c.d.url, PUSHES) - pushes == 6
+    assert body["usage"]["prompt_tokens"] == 300 + 60 + 129
+
+
+def test_client_hang_up_cancels_both_legs(env: dict[str, Any]) -> None:
+    c: Cluster = env["cluster"]
+    body = {"model": env["model"], "prompt": PROMPT, "max_tokens": 400, "ignore_eos": True}
+    body.update(stream=True, temperature=0)
+    req = urllib.request.Request(
+        c.router.url + COMPLETIONS, json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        assert resp.readline().startswith(b"data:")  # decoding has started
+        running = metric(c.d.url, "vllm:num_requests_running")
+    assert running == 1  # the stream was still going when the client left
+    _wait_idle(c, "after the client hung up")
+
+
+def test_nothing_held_and_no_push_failed(env: dict[str, Any]) -> None:
+    # Well within P's lease (30 s): blocks held for a refused or abandoned request would
+    # show here.
+    c: Cluster = env["cluster"]
+    _wait_idle(c, "after the matrix")
+    assert metric(c.p.url, FAILURES) == 0 and metric(c.d.url, FAILURES) == 0
+
+
+def _wait_idle(c: Cluster, what: str, timeout: float = 10.0) -> None:
+    def state() -> dict[str, float]:
+        return {
+            f"{s.spec.name} {m}": metric(s.url, f"vllm:{m}")
+            for s in (c.p, c.d)
+            for m in ("kv_cache_usage_perc", "num_requests_running", "num_requests_waiting")
+        }
+
+    deadline = time.monotonic() + timeout
+    while any((now := state()).values()):
+        if time.monotonic() > deadline:
+            pytest.fail(f"P and D not idle {what} after {timeout:g}s: {now}")
+        time.sleep(0.2)
+
+
+def test_stream_cut_by_a_dead_decoder_ends_with_an_error_event(env: dict[str, Any]) -> None:
+    """Last: it kills D. The client sees the tokens so far, an OpenAI-style error event,
+    then [DONE]; never a clean-looking end."""
+    c: Cluster = env["cluster"]
+    body = {"model": env["model"], "prompt": PROMPT, "max_tokens": 450, "ignore_eos": True}
+    body.update(stream=True, temperature=0)
+    req = urllib.request.Request(
+        c.router.url + COMPLETIONS, json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    events = []
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        assert resp.readline().startswith(b"data:")
+        c.d.kill()
+        for line in resp:
+            if line.startswith(b"data:"):
+                events.append(line[5:].strip())
+    assert events[-1] == b"[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert error["leg"] == "decode" and error["code"] == 502, error
