@@ -79,6 +79,10 @@ class ServerSpec:
     max_model_len: int = 512
     max_num_seqs: int = 4
     log_dir: str = "."
+    host: str = "127.0.0.1"  # the address the HTTP server listens on
+    # A command the server runs under, e.g. one that enters a test host's network
+    # namespace (tests/e2e/hosts.py); empty: run it directly.
+    prefix: list[str] = field(default_factory=list)
 
 
 class Proc:
@@ -134,6 +138,7 @@ class VllmServer(Proc):
         if not spec.port:
             spec.port = free_port()
         argv = [
+            *spec.prefix,
             sys.executable,
             "-m",
             "vllm.entrypoints.openai.api_server",
@@ -148,7 +153,7 @@ class VllmServer(Proc):
             "--enforce-eager",
             "--no-enable-prefix-caching",
             "--host",
-            "127.0.0.1",
+            spec.host,
             "--port",
             str(spec.port),
         ]
@@ -167,7 +172,7 @@ class VllmServer(Proc):
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.spec.port}"
+        return f"http://{self.spec.host}:{self.spec.port}"
 
 
 class RouterProc(Proc):
