@@ -236,6 +236,13 @@ class Consumer:
             return
         if expired:
             # P ranks send heartbeats while they hold the registration: expiry means silence.
+            # A partition looks the same as a dead P, yet a WRITE P posted before it would
+            # land once the link is back: disconnect silent sources before the blocks go.
+            for agent in t.sources:
+                peer = self.w.peers_by_agent.get(agent)
+                if peer is not None and self.w.silent(peer):
+                    log.warning("receive %s: P %s silent; disconnecting", t.name, agent)
+                    self.w.forget_peer(agent)
             reason = t.fail_reason or "watchdog expired: no KV from the prefiller in time"
             self._end(t, State.EXPIRED, "released" if t.aborted else "failed", reason)
         else:
