@@ -220,7 +220,26 @@ def section(res: dict[str, Any]) -> str:
                 f" {h['kvpush_thread_ratio']:.2f} | {h['raw_ready_ms']:.2f} /"
                 f" {h['kvpush_ready_ms']:.2f} / {h['kvpush_thread_ready_ms']:.2f} |"
             )
-    out += ["", f"Last large WRITE checked byte for byte on D: {res.get('verified')}.", ""]
+    large = [r for per in res["rates"].values() for c, r in per.items() if c.startswith("large")]
+    worst = min(r["headline"]["kvpush_ratio"] for r in large) if large else None
+    thread = min(r["headline"]["kvpush_thread_ratio"] for r in large) if large else None
+    out += [
+        "",
+        f"Last large WRITE checked byte for byte on D: {res.get('verified')}. Target kvpush /"
+        f" raw >= 0.9 on the same link: the large KV's lowest ratio is {worst} with the"
+        f" inline writer (the default), {thread} with the writer thread.",
+        "",
+        "Small KV (the prompt cases) is set by polling, not by the link: over TCP both P's"
+        " WRITE completion and the landing of the bytes need D's side to call into UCX, and",
+        "kvpush's D worker polls every 0.1 ms backing off to 2 ms (`max_poll_interval_s`),",
+        "P's inline writer progresses on engine steps (1 ms here) and D learns of the end on",
+        "its next step; raw NIXL busy-polls on both sides. In a separate check on the same",
+        "link (2026-12-01, 30 rounds) kvpush's KV-ready for 2 / 8 blocks was 3.2 / 3.2 ms",
+        "against raw 0.8 / 1.3 ms, and 2.1 / 2.1 ms with both workers' backoff capped at",
+        "0.1 ms. Once the link is the bottleneck (100 Mbit/s, 450 tokens) the gap is under",
+        "12 %. Numbers swing widely between runs on this shared 2-core machine.",
+        "",
+    ]
     return "\n".join(out) + "\n"
 
 

@@ -53,8 +53,11 @@ class Host:
 class HostPair:
     """P's and D's test hosts; a context manager that always removes what it made."""
 
-    def __init__(self, prefix: str = "kvp", net: int = 77) -> None:
+    def __init__(self, prefix: str = "kvp", net: int = 77, tcp_retries2: int = 0) -> None:
         self.prefix = prefix
+        # net.ipv4.tcp_retries2 inside both namespaces (0: the kernel's): bounds how long a
+        # TCP connection survives a cut link before the kernel aborts it.
+        self.tcp_retries2 = tcp_retries2
         a = f"10.{net}"
         self.p = Host(f"{prefix}-p", f"{a}.1.2", f"{a}.3.1", f"{prefix}-pf")
         self.d = Host(f"{prefix}-d", f"{a}.2.2", f"{a}.3.2", f"{prefix}-df")
@@ -87,6 +90,9 @@ class HostPair:
             ip("link", "set", h.root_dev, "up")
             ip("-n", h.ns, "addr", "add", f"{h.front}/24", "dev", FRONT)
             ip("-n", h.ns, "link", "set", FRONT, "up")
+            if self.tcp_retries2:
+                sysctl = f"net.ipv4.tcp_retries2={self.tcp_retries2}"
+                subprocess.run(["ip", "netns", "exec", h.ns, "sysctl", "-qw", sysctl], check=True)
         ip("-n", p.ns, "link", "add", LINK, "type", "veth", "peer", "name", LINK, "netns", d.ns)
         for h in (p, d):
             ip("-n", h.ns, "addr", "add", f"{h.link}/24", "dev", LINK)
