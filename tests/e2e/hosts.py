@@ -14,6 +14,7 @@ root ends of the front pairs. Leftovers of a crashed run (same names) are remove
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -69,6 +70,11 @@ class HostPair:
         return {"UCX_TLS": "tcp", "UCX_NET_DEVICES": LINK}
 
     def __enter__(self) -> HostPair:
+        if os.geteuid() != 0:
+            raise RuntimeError("test hosts need root (network namespaces, mounts, tc)")
+        missing = [t for t in ("ip", "tc", "unshare", "sysctl") if shutil.which(t) is None]
+        if missing:
+            raise RuntimeError(f"test hosts need {missing} (apt: iproute2, util-linux, procps)")
         self.remove()
         try:
             self._make()
