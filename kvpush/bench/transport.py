@@ -92,7 +92,9 @@ def fill_pattern(buf: np.ndarray) -> None:
 
 
 class _Side:
-    def __init__(self, role: str, ports: dict[str, int], nblocks: int) -> None:
+    def __init__(
+        self, role: str, ports: dict[str, int], nblocks: int, host: str = "127.0.0.1"
+    ) -> None:
         from nixl._api import nixl_agent, nixl_agent_config
 
         from kvpush.core.layout import KVLayout, Region
@@ -119,7 +121,7 @@ class _Side:
         self.write_call: dict[str, tuple[float, float]] = {}
         for mode, port in ports.items():  # P: one worker per kvpush mode; D: one
             writer = KV_MODES[mode] if role == "p" else "thread"
-            cfg = WorkerConfig(engine_id=f"bench-{role}-{mode}", port=port, writer=writer)
+            cfg = WorkerConfig(f"bench-{role}-{mode}", host=host, port=port, writer=writer)
             transport = NixlTransport(make_agent_name(cfg.engine_id, 0))
             self._time(mode, transport, WriteState)
             self.workers[mode] = PushWorker(cfg, transport, layout)
@@ -192,10 +194,10 @@ class _Side:
     def worker(self) -> Any:  # D's only worker
         return next(iter(self.workers.values()))
 
-    def kv_register(self, rid: str, dst: list[int], p_port: int) -> None:
+    def kv_register(self, rid: str, dst: list[int], p_port: int, p_host: str = "127.0.0.1") -> None:
         from kvpush.core.types import RecvRegistration, StepMeta
 
-        reg = RecvRegistration(rid, [dst], "bench-p", "127.0.0.1", p_port, transfer_id=rid)
+        reg = RecvRegistration(rid, [dst], "bench-p", p_host, p_port, transfer_id=rid)
         self.worker.start_step(StepMeta(registrations=[reg]))
 
     def kv_wait_registered(self, mode: str, n: int, timeout: float = 30.0) -> bool:
@@ -247,11 +249,13 @@ class _Side:
             w.shutdown()
 
 
-def _child(conn: Connection, role: str, ports: dict[str, int], nblocks: int) -> None:
+def _child(
+    conn: Connection, role: str, ports: dict[str, int], nblocks: int, host: str = "127.0.0.1"
+) -> None:
     import logging
 
     logging.getLogger("NIXL").setLevel(logging.WARNING)
-    side = _Side(role, ports, nblocks)
+    side = _Side(role, ports, nblocks, host)
     conn.send(side.info())
     while True:
         cmd, *args = conn.recv()

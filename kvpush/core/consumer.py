@@ -239,6 +239,9 @@ class Consumer:
             return
         if expired:
             # P ranks send heartbeats while they hold the registration: expiry means silence.
+            # A partition looks the same, and a WRITE P posted before it can still land
+            # here once the link heals (NIXL's disconnect does not stop bytes already on a
+            # TCP connection): keep watchdog_s above the network's give-up time (README).
             reason = t.fail_reason or "watchdog expired: no KV from the prefiller in time"
             self._end(t, State.EXPIRED, "released" if t.aborted else "failed", reason)
         else:

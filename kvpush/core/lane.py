@@ -44,13 +44,25 @@ _VECTOR_FROM = 16  # waiting words checked one by one below this, with numpy abo
 
 
 def host_identity() -> str:
-    """Same string for every process of one (booted) host."""
+    """Same string for every process that can take the same-host shortcuts with us: one
+    booted host (hostname, boot id), one network namespace and one ``/dev/shm``. A
+    process in another network namespace or with a private ``/dev/shm`` (a container, a
+    test host) counts as another host: it cannot open our lane, and its P WRITEs over
+    the network instead of copying into us."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
     except OSError:
         boot = ""
-    return f"{socket.gethostname()}/{boot}"
+    try:
+        net = os.stat("/proc/self/ns/net").st_ino
+    except OSError:
+        net = 0
+    try:
+        shm = os.stat(LANE_DIR).st_dev
+    except OSError:
+        shm = 0
+    return f"{socket.gethostname()}/{boot}/net:{net}/shm:{shm}"
 
 
 def lane_path(name: str) -> str:

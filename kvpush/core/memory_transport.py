@@ -80,7 +80,12 @@ class MemoryTransport(Transport):
         self._peers.add(name)
 
     def remove_peer(self, name: str) -> None:
-        self._peers.discard(name)
+        with self.fabric.lock:
+            self._peers.discard(name)
+            for w in self.fabric.writes:  # a disconnect ends what was in flight to it
+                if w.sender == self.agent_name and w.target == name:
+                    if w.state is WriteState.PENDING:
+                        w.state = WriteState.ERROR
 
     def _target(self, peer: str) -> MemoryTransport:
         if peer not in self._peers:

@@ -176,13 +176,25 @@ class Producer:
         self.staged.pop_value(preq)
         for leg in list(preq.legs.values()):
             # A WRITE in flight ends by its outcome; its source blocks stay held until then.
-            if leg.state not in ENDED and leg.state is not State.WRITING:
+            if leg.state is State.WRITING:
+                self._disconnect_silent(leg)
+            elif leg.state not in ENDED:
                 transition(leg, State.EXPIRED, leg.name, "lease expired")
                 if leg.reg is not None:
                     self.w.stats["lease_expired"] += 1
                 self._fail_to_d(leg, "lease expired on the prefiller")
                 self._finish(leg)
         self._maybe_done(preq)
+
+    def _disconnect_silent(self, t: PushTransfer) -> None:
+        """The lease ran out under a posted WRITE and D has been silent all along: a
+        partition looks like a dead D, but the WRITE would go on once the link is back.
+        Disconnecting D ends it in error (then its blocks are freed as for any failed
+        WRITE) and the next push to D handshakes afresh."""
+        peer = self.w.peers_by_agent.get(t.sender)
+        if t.copy is None and peer is not None and self.w.silent(peer):
+            log.warning("push %s: D %s silent for the whole lease; disconnecting", t.name, t.sender)
+            self.w.forget_peer(t.sender)
 
     def on_deferred(self, item: tuple[PushTransfer | None, str, int, Future[Any]]) -> None:
         t, host, port, fut = item

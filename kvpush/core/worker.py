@@ -368,7 +368,8 @@ class PushWorker:
         self.peers[key] = peer
         self.peers_by_agent[info.agent_name] = peer
         self.heard[info.agent_name] = time.monotonic()  # the handshake is a sign of life
-        log.info("connected to %s (%s:%d)", info.agent_name, host, port)
+        where = "same host" if info.host_id == self.info.host_id else "another host"
+        log.info("connected to %s (%s:%d, %s)", info.agent_name, host, port, where)
         return peer
 
     def silent(self, peer: Peer) -> bool:

@@ -103,6 +103,10 @@ class ServerSpec:
     # benchmark can turn CUDA graphs on (cuda_graphs) for every server alike.
     cuda_graphs: bool = False
     extra_args: list[str] = field(default_factory=list)
+    host: str = "127.0.0.1"  # the address the HTTP server listens on
+    # A command the server runs under, e.g. one that enters a test host's network
+    # namespace (tests/e2e/hosts.py); empty: run it directly.
+    prefix: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.device = self.device or default_device()
@@ -193,6 +197,7 @@ class VllmServer(Proc):
         if not spec.port:
             spec.port = free_port()
         argv = [
+            *spec.prefix,
             sys.executable,
             "-m",
             "vllm.entrypoints.openai.api_server",
@@ -205,7 +210,7 @@ class VllmServer(Proc):
             str(spec.max_num_seqs),
             "--no-enable-prefix-caching",
             "--host",
-            "127.0.0.1",
+            spec.host,
             "--port",
             str(spec.port),
         ]
@@ -218,7 +223,7 @@ class VllmServer(Proc):
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.spec.port}"
+        return f"http://{self.spec.host}:{self.spec.port}"
 
 
 class RouterProc(Proc):

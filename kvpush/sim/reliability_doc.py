@@ -59,6 +59,7 @@ def render(data: dict[str, Any]) -> str:
     out += _soak(data.get("soak"))
     out += _fuzz(data.get("fuzz"))
     out += TRUST
+    out += CROSS_HOST
     out += LIMITS
     return "\n".join(out) + "\n"
 
@@ -206,6 +207,45 @@ TRUST = [
 ]
 
 
+CROSS_HOST = [
+    "## Across hosts (veth link)",
+    "",
+    "Not written by these scripts: `tests/e2e/test_cross_host.py` (CI, as root) runs real",
+    "vLLM servers for P and D on two test hosts (`tests/e2e/hosts.py`: a network namespace",
+    "and a private `/dev/shm` each, UCX on TCP over one veth pair, the router in the root",
+    "namespace), lease 4 s, watchdog 4 s, heartbeats 0.5 s, `net.ipv4.tcp_retries2=3` in",
+    "both namespaces. Figures from runs on 2026-12-01 (2 CPUs). The kernel has no `netem`:",
+    "no added delay or loss is tested.",
+    "",
+    "| case | fault | what must hold | seen |",
+    "|---|---|---|---|",
+    "| across the link | none: 60 / 450 / streamed 300-token prompts, a chat | token-identical"
+    " to a plain server; P's bytes sent = D's received = prompt blocks x 128 KiB; at least"
+    " as many bytes left P's link device; no push failures; nothing held | yes |",
+    "| slow link under a burst | `tc tbf` 100 Mbit/s; 12 requests at once (60-467 tokens) |"
+    " all complete, identical, within the router's 20 s; nothing held within lease + 5 s |"
+    " yes (under 1 s) |",
+    "| link cut mid-transfer, restored | 2 Mbit/s link, 3 x 450-token requests; link down"
+    " once 64 KiB of KV crossed it | each client gets 502 with D's error within watchdog +"
+    " 6 s; P and D hold no blocks within lease + 6 s *with the link still down*; P counts 3"
+    " push failures; after link up 3 new requests identical, nothing held | yes: 502 after"
+    " 0.6-4.4 s, both sides free by then (8 cuts in a row on one pair of servers, every"
+    " later request identical; one late completion at D, see the known limit on watchdog"
+    " expiry: a PUSH_REG held up by the cut reached P after D's watchdog) |",
+    "",
+    "What the cut showed on the way there: (1) P held the blocks of its stuck WRITEs for the "
+    "whole outage (45 s) and beyond; now at lease expiry P disconnects a D silent for 2 s or more"
+    " and the WRITEs end in error. (2) With the kernel's TCP defaults, bytes of those WRITEs "
+    "reached D's memory once the link healed, after D had freed the blocks at its watchdog (D "
+    "logged 'completion for unknown request'; one e2e run of about ten failed its check of the "
+    "requests after the link came back). NIXL's disconnect does not stop them: in a raw NIXL "
+    "check over the same link, with both agents removed, the healed link still delivered 40 KB "
+    "into D's buffer. With `tcp_retries2=3` the kernel aborts the connection within about 3 s of "
+    "silence and nothing arrived late. Hence the limit below.",
+    "",
+]
+
+
 LIMITS = [
     "## Known limits",
     "",
@@ -214,6 +254,12 @@ LIMITS = [
     "  WRITE that P starts before D's `PUSH_CANCEL` reaches it can land in those freed blocks.",
     "  The matrix's `drop_heartbeats` case orders the prefill after the cancel arrived; the",
     "  race itself is by design (a dead P must not pin D's blocks).",
+    "- **A partition that heals after D's watchdog can deliver a late WRITE.** Bytes",
+    "  already on the TCP connection reach D's memory when the link comes back, also after",
+    "  both sides removed each other's NIXL agents; D may have freed those blocks. Keep",
+    "  `watchdog_s` above the network stack's give-up time for a silent connection",
+    "  (`net.ipv4.tcp_retries2`); holding the blocks until the old connection is gone is",
+    "  open work.",
     "- **A failed handshake fails every push waiting on it.** In the soak, `peer_reset` makes P",
     "  forget D and fail its next handshake; requests deferred behind it fail on D's",
     "  watchdog. That is why the unfaulted completion rate can be below 1.",

@@ -1,0 +1,289 @@
+"""kvpush against a raw NIXL WRITE over a veth link between two test hosts (needs root).
+
+P and D run as processes on the test hosts of tests/e2e/hosts.py (each in its own
+network namespace with a private /dev/shm), UCX restricted to TCP on the link, each with
+a raw NIXL agent and a kvpush worker on the same registered buffer of 64 KiB blocks
+(kvpush/bench/transport.py's sides). In each round, per case, one raw WRITE (a
+descriptor per block, with a notification, P busy-polling it) and one kvpush push per P
+writer (``kvpush``: inline, progressed by P's engine steps every 1 ms as vLLM's loop;
+``kvpush_thread``: the writer thread; D registered first; timed from P's engine handing
+over the finished blocks) move the same scattered blocks,
+in rotating order. Bytes per second are over P's time to WRITE DONE; KV-ready is when
+D learned of it (the raw notification, or kvpush's finished_recving), both from the
+moment P's prefill handed the blocks over. Cases: the tiny model's KV for a 60- and a
+450-token prompt (2 layers x 1 or 4 blocks of 64 KiB: 2 / 8 blocks) and a large
+synthetic KV (``--large-mib``, scattered). Link rates: full, and tc tbf limits.
+
+    sudo PYTHONPATH=. .venv/bin/python scripts/link_bench.py \\
+        --json docs/link/link-bench.json --doc docs/benchmarks.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import random
+import stat
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kvpush.bench import transport  # noqa: E402
+from kvpush.bench.stats import summary  # noqa: E402
+from kvpush.deploy.servers import free_port  # noqa: E402
+from tests.e2e.hosts import Host, HostPair  # noqa: E402
+
+MIB = 1 << 20
+KV_MODES = ("kvpush", "kvpush_thread")  # names as in kvpush/bench/transport.py
+MODES = ("raw", *KV_MODES)
+
+
+def in_host(ctx: Any, host: Host, target: Any, args: tuple[Any, ...]) -> Any:
+    """Start a spawn-context process inside ``host`` (its namespace, its /dev/shm): the
+    spawned interpreter is started through the host's prefix."""
+    wrapper = Path(tempfile.mkdtemp(prefix="kvpush-link-")) / "python"
+    quoted = " ".join(f"'{a}'" for a in host.prefix())
+    wrapper.write_text(f'#!/bin/sh\nexec {quoted} {sys.executable} "$@"\n')
+    wrapper.chmod(wrapper.stat().st_mode | stat.S_IXUSR)
+    ctx.set_executable(str(wrapper))
+    try:
+        proc = ctx.Process(target=target, args=args, daemon=True)
+        proc.start()
+    finally:
+        ctx.set_executable(sys.executable)
+    return proc
+
+
+class Side(transport._Remote):
+    def __init__(self, ctx: Any, host: Host, role: str, nblocks: int) -> None:
+        self.conn, child = ctx.Pipe()
+        # P: a worker per writer (kvpush: inline, kvpush_thread: a writer thread); D: one.
+        self.ports = {m: free_port() for m in (KV_MODES if role == "p" else KV_MODES[:1])}
+        self.proc = in_host(
+            ctx, host, transport._child, (child, role, self.ports, nblocks, host.link)
+        )
+
+
+def scattered(n: int, nblocks: int, rng: random.Random) -> tuple[list[int], list[int]]:
+    return rng.sample(range(nblocks), n), rng.sample(range(nblocks), n)
+
+
+def one_round(
+    p: Side,
+    d: Side,
+    p_host: str,
+    src: list[int],
+    dst: list[int],
+    seq: int,
+    first: int,
+    pause: float = 0.0,
+) -> dict[str, dict[str, float]]:
+    out: dict[str, dict[str, float]] = {}
+    for mode in MODES[first:] + MODES[:first]:
+        time.sleep(pause)  # a rate-limited link's token bucket refills: each starts alike
+        if mode == "raw":
+            d.send("raw_wait", 300.0)
+            w = p.call("raw_write", src, dst, False, timeout=300)
+            ready = d.result(300)
+            ok = bool(w["ok"] and ready["t_ready"])
+        else:
+            rid = f"{mode}{seq}"
+            d.call("kv_register", rid, dst, p.ports[mode], p_host)
+            if not p.call("kv_wait_registered", mode, 1):
+                raise RuntimeError("P never saw D's registration")
+            d.send("kv_wait", rid, 300.0)
+            w = p.call("kv_push", mode, rid, src, 300.0, timeout=320)
+            ready = d.result(320)
+            ok = bool(w.get("ok") and ready.get("ok"))
+        if not ok:
+            raise RuntimeError(f"{mode} WRITE failed: {w} {ready}")
+        out[mode] = {"write_s": w["t_done"] - w["t0"], "ready_s": ready["t_ready"] - w["t0"]}
+    return out
+
+
+def run(rates: list[str], large_mib: int, rounds: int, small_rounds: int, log: Any) -> dict:
+    nblocks = max(large_mib * MIB // transport.BLOCK, 64)
+    cases = {
+        "prompt_60": 2,
+        "prompt_450": 8,
+        f"large_{large_mib}mib": large_mib * MIB // transport.BLOCK,
+    }
+    os.environ.update(HostPair.env())  # the children's UCX: TCP on the link only
+    ctx = mp.get_context("spawn")
+    results: dict[str, Any] = {"block_bytes": transport.BLOCK, "rates": {}}
+    rng = random.Random(0)
+    seq = 0
+    with HostPair("kvpb", 79) as hosts:
+        p = Side(ctx, hosts.p, "p", nblocks)
+        d = Side(ctx, hosts.d, "d", nblocks)
+        try:
+            pinfo, dinfo = p.result(), d.result()
+            p.call("connect", dinfo["raw_md"], dinfo["base"])
+            d.call("connect", pinfo["raw_md"], pinfo["base"])
+            for rate in rates:
+                if rate == "full":
+                    hosts.unlimit()
+                else:
+                    hosts.limit(rate, burst="256kb")
+                wire0 = hosts.p.link_counter()
+                per: dict[str, Any] = {}
+                for name, n in cases.items():
+                    k = small_rounds if n < 64 else rounds
+                    times: dict[str, list[float]] = {}
+                    for r in range(k + 1):  # the first round warms up
+                        seq += 1
+                        src, dst = scattered(n, nblocks, rng)
+                        pause = 0.0 if rate == "full" else 0.1
+                        got = one_round(p, d, hosts.p.link, src, dst, seq, r % len(MODES), pause)
+                        if r == 0:
+                            continue
+                        for mode, t in got.items():
+                            times.setdefault(f"{mode}_write_s", []).append(t["write_s"])
+                            times.setdefault(f"{mode}_ready_s", []).append(t["ready_s"])
+                    per[name] = row(n * transport.BLOCK, times)
+                    log(f"{rate} {name}: {json.dumps(per[name]['headline'])}")
+                per["link_tx_mib"] = round((hosts.p.link_counter() - wire0) / MIB, 1)
+                results["rates"][rate] = per
+            src, dst = scattered(cases[f"large_{large_mib}mib"], nblocks, rng)
+            hosts.unlimit()
+            d.call("zero")
+            one_round(p, d, hosts.p.link, src, dst, seq + 1, 1)
+            results["verified"] = bool(d.call("verify", dst, src, timeout=300))
+        finally:
+            p.stop()
+            d.stop()
+    return results
+
+
+def row(nbytes: int, t: dict[str, list[float]]) -> dict[str, Any]:
+    gib = nbytes / (1 << 30)
+    out: dict[str, Any] = {"bytes": nbytes, "rounds": len(t["raw_write_s"])}
+    head: dict[str, Any] = {}
+    for mode in MODES:
+        out[f"{mode}_gib_s"] = summary([gib / x for x in t[f"{mode}_write_s"]], 4)
+        out[f"{mode}_ready_ms"] = summary([x * 1e3 for x in t[f"{mode}_ready_s"]], 3)
+        head[f"{mode}_gib_s"] = out[f"{mode}_gib_s"]["median"]
+        head[f"{mode}_ready_ms"] = out[f"{mode}_ready_ms"]["median"]
+    for mode in KV_MODES:
+        # Each round's raw time over kvpush's in the same round (robust to drift).
+        for what, key in (("write", "ratio"), ("ready", "ready_ratio")):
+            raw, kv = t[f"raw_{what}_s"], t[f"{mode}_{what}_s"]
+            paired = [r / k for r, k in zip(raw, kv, strict=True) if k]
+            out[f"{mode}_{key}_vs_raw"] = summary(paired, 3)
+            head[f"{mode}_{key}"] = out[f"{mode}_{key}_vs_raw"]["median"]
+    out["headline"] = head
+    return out
+
+
+HEADING = "## Across hosts (veth link)"
+
+
+def section(res: dict[str, Any]) -> str:
+    """The benchmarks page's section for one result (docs/benchmarks.md)."""
+    out = [
+        HEADING,
+        "",
+        f"Latest run: {res.get('started', '?')}, {os.cpu_count()} CPU cores shared with other"
+        f" jobs (load average {res.get('loadavg', '?')} at the start), {res.get('seconds')} s;"
+        f" `{res.get('command', 'scripts/link_bench.py')}` (JSON: docs/link/link-bench.json).",
+        "",
+        "P and D are processes on two test hosts (`tests/e2e/hosts.py`: network namespaces,",
+        "a private `/dev/shm` each, one veth pair between them), UCX restricted to TCP on that",
+        "veth (`UCX_TLS=tcp`, `UCX_NET_DEVICES`), each with a raw NIXL agent and kvpush workers",
+        "on one buffer of 64 KiB blocks. Per round and case the same scattered blocks move by",
+        "a raw NIXL WRITE (a descriptor per block, P busy-polling it, D polling notifications",
+        "every 50 us), by kvpush with P's inline writer (P's engine steps every 1 ms) and by",
+        "kvpush with P's writer thread (D: writer thread in both), order rotating. GiB/s over",
+        "P's time from handing the finished blocks over to WRITE DONE; KV-ready: until D knew.",
+        "Cases: the tiny model's KV for a 60- and a 450-token prompt (2 layers x 1 / 4 blocks:",
+        "128 / 512 KiB in 2 / 8 blocks) and a large synthetic KV. Ratios: median over rounds of",
+        "raw's time over kvpush's in the same round (> 1: kvpush faster). Medians.",
+        "",
+        "| link | case | raw GiB/s | kvpush GiB/s | kvpush / raw | thread GiB/s | thread / raw"
+        " | KV-ready raw / kvpush / thread, ms |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for rate, per in res["rates"].items():
+        for case, r in per.items():
+            if not isinstance(r, dict):
+                continue
+            h = r["headline"]
+            out.append(
+                f"| {rate} | {case} | {h['raw_gib_s']:.3f} | {h['kvpush_gib_s']:.3f} |"
+                f" {h['kvpush_ratio']:.2f} | {h['kvpush_thread_gib_s']:.3f} |"
+                f" {h['kvpush_thread_ratio']:.2f} | {h['raw_ready_ms']:.2f} /"
+                f" {h['kvpush_ready_ms']:.2f} / {h['kvpush_thread_ready_ms']:.2f} |"
+            )
+    large = [r for per in res["rates"].values() for c, r in per.items() if c.startswith("large")]
+    worst = min(r["headline"]["kvpush_ratio"] for r in large) if large else None
+    thread = min(r["headline"]["kvpush_thread_ratio"] for r in large) if large else None
+    out += [
+        "",
+        f"Last large WRITE checked byte for byte on D: {res.get('verified')}. Target kvpush /"
+        f" raw >= 0.9 on the same link: the large KV's lowest ratio is {worst} with the"
+        f" inline writer (the default), {thread} with the writer thread.",
+        "",
+        "Small KV (the prompt cases) is set by polling, not by the link: over TCP both P's"
+        " WRITE completion and the landing of the bytes need D's side to call into UCX, and",
+        "kvpush's D worker polls every 0.1 ms backing off to 2 ms (`max_poll_interval_s`),",
+        "P's inline writer progresses on engine steps (1 ms here) and D learns of the end on",
+        "its next step; raw NIXL busy-polls on both sides. In a separate check on the same",
+        "link (2026-12-01, 30 rounds) kvpush's KV-ready for 2 / 8 blocks was 3.2 / 3.2 ms",
+        "against raw 0.8 / 1.3 ms, and 2.1 / 2.1 ms with both workers' backoff capped at",
+        "0.1 ms. Once the link is the bottleneck (100 Mbit/s, 450 tokens) the gap is under",
+        "12 %. Numbers swing widely between runs on this shared 2-core machine.",
+        "",
+    ]
+    return "\n".join(out) + "\n"
+
+
+def update_doc(path: Path, text: str) -> None:
+    """Replace this section of the page (up to the next ``## ``), or put it before CPU."""
+    doc = path.read_text()
+    if HEADING in doc:
+        start = doc.index(HEADING)
+        end = doc.find("\n## ", start + len(HEADING))
+        doc = doc[:start] + text + (doc[end + 1 :] if end >= 0 else "")
+    elif "\n## CPU" in doc:
+        at = doc.index("\n## CPU") + 1
+        doc = doc[:at] + text + "\n" + doc[at:]
+    else:
+        doc += "\n" + text
+    path.write_text(doc)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rates", default="full,1gbit,100mbit", help="'full' or tc rates")
+    ap.add_argument("--large-mib", type=int, default=256)
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of the large case")
+    ap.add_argument("--small-rounds", type=int, default=30, help="rounds of the prompt cases")
+    ap.add_argument("--json", default="", help="write the results here")
+    ap.add_argument("--doc", default="", help="rewrite this page's section (docs/benchmarks.md)")
+    ap.add_argument("--from-json", default="", help="no run: render this saved result")
+    args = ap.parse_args()
+    if args.from_json:
+        res = json.loads(Path(args.from_json).read_text())
+    else:
+        started = time.time()
+        load = [round(x, 2) for x in os.getloadavg()]
+        res = run(args.rates.split(","), args.large_mib, args.rounds, args.small_rounds, print)
+        res.update(seconds=round(time.time() - started, 1), loadavg=load)
+        res["started"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(started))
+        res["command"] = "scripts/link_bench.py " + " ".join(sys.argv[1:])
+        if args.json:
+            Path(args.json).write_text(json.dumps(res, indent=1) + "\n")
+    if args.doc:
+        update_doc(Path(args.doc), section(res))
+    print(section(res))
+    return 0 if res.get("verified") else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
