@@ -39,7 +39,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         "--model", default="", help="model dir (default: the tiny model, made if needed)"
     )
     e.add_argument(
-        "--configs", default="kvpush,push,pull", help="pairs to compare (also: kvpush-finished)"
+        "--configs", default="kvpush,push,pull", help="pairs to compare: kvpush, push, pull"
     )
     e.add_argument("--rounds", type=int, help="rounds over all pairs (default 3, quick 1)")
     e.add_argument("--requests", type=int, help="requests per cell and round (default 8, quick 4)")

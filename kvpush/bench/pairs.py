@@ -49,7 +49,6 @@ CONFIGS = ("kvpush", "push", "pull")
 LABELS = {
     "plain": "one plain vLLM server (no disaggregation)",
     "kvpush": "kvpush (router, both legs at once)",
-    "kvpush-finished": "kvpush, pushing after vLLM finished the request (hand_over: finished)",
     "push": "vLLM NixlPushConnector (client, both legs at once)",
     "pull": "vLLM NixlConnector (client, prefill then decode)",
 }
@@ -308,19 +307,11 @@ def _prefill_leg(
     return params
 
 
-class KvpushFinishedPair(KvpushPair):
-    """kvpush as before the early hand-over: P pushes once vLLM finished the request."""
-
-    name = "kvpush-finished"
-    options = {"hand_over": "finished"}
-
-
 def make_pair(name: str, model: str, log_dir: str, **spec: Any) -> Pair:
     """A pair by configuration name; ``spec``: further ServerSpec fields for its servers."""
     kinds: dict[str, type[Pair]] = {
         "plain": PlainPair,
         "kvpush": KvpushPair,
-        "kvpush-finished": KvpushFinishedPair,
         "push": InTreePushPair,
         "pull": PullPair,
     }

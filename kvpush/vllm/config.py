@@ -29,19 +29,10 @@ class ConnectorOptions:
     heartbeat_interval_s: float = 1.0
     handshake_timeout_s: float = 5.0
     registration_ttl_s: float = 60.0
-    descriptor_mode: str = "coalesced"
     peer_copy: str = "auto"  # CUDA IPC copy into same-host decoders: auto (CUDA+CuPy), on, off
-    # "inline" (default): the transport work runs inside the connector's per-step calls on
-    # vLLM's worker thread (vLLM steps while any push is pending on either side);
-    # "thread": a writer thread per rank does it.
-    writer: str = "inline"
     # Words of the completion lane a decoder offers same-host copies (0: completions over
     # NIXL only); see kvpush/core/lane.py.
     lane_slots: int = 1 << 16
-    # When P pushes a request's KV: "forward" (default) at the end of the forward that
-    # completes its prefill (wait_for_save, behind a CUDA event on GPUs), for one-token
-    # requests whose prompt is prefilled in one step; "finished" after vLLM finished it.
-    hand_over: str = "forward"
     trusted_decoders: str = ""  # "host:port,host:port" of decoder side channels; empty: any
     # From KVPUSH_SHARED_SECRET only; a Secret, so no repr (vLLM prints this) shows it.
     shared_secret: Secret | None = field(default=None, repr=False, compare=False)
@@ -103,12 +94,6 @@ class ConnectorOptions:
                 raise ConfigError(f"trusted_decoders entry {where!r} is not host:port")
         if opts.peer_copy not in ("auto", "on", "off"):
             raise ConfigError("peer_copy must be 'auto', 'on' or 'off'")
-        if opts.descriptor_mode not in ("coalesced", "prepped"):
-            raise ConfigError("descriptor_mode must be 'coalesced' or 'prepped'")
-        if opts.hand_over not in ("forward", "finished"):
-            raise ConfigError("hand_over must be 'forward' or 'finished'")
-        if opts.writer not in ("thread", "inline"):
-            raise ConfigError("writer must be 'thread' or 'inline'")
         if not 0 <= opts.lane_slots <= MAX_SLOTS:
             raise ConfigError(f"lane_slots must be in [0, {MAX_SLOTS}]")
         return opts

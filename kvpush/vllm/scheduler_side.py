@@ -107,8 +107,7 @@ class SchedulerSide:
                     transfer_key(request.request_id, params.get("transfer_id")),
                     request.request_id,
                 )
-            if self.opts.hand_over == "forward":
-                self._new_p[request.request_id] = request
+            self._new_p[request.request_id] = request
         if (
             num_external_tokens <= 0
             or not params.get("do_remote_prefill")

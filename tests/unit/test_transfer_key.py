@@ -45,7 +45,7 @@ def test_both_sides_key_each_sub_request_of_one_client_request() -> None:
     from kvpush.vllm.scheduler_side import SchedulerSide
     from tests.unit.test_vllm_adapter import FakeRequest
 
-    opts = ConnectorOptions.parse({"hand_over": "finished"}, env={})
+    opts = ConnectorOptions.parse({}, env={})  # (request_finished: no early hand-over)
     p = SchedulerSide("P", opts, True, False, 1)
     d = SchedulerSide("D", opts, False, True, 1)
     side = {"remote_host": "127.0.0.1", "remote_port": 5700}

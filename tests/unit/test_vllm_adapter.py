@@ -15,8 +15,6 @@ from kvpush.vllm.scheduler_side import SchedulerSide
 def test_options_defaults_env_and_validation() -> None:
     o = ConnectorOptions.parse({}, env={})
     assert o.side_channel_port == 5600 and o.trusted is None and o.secret is None
-    assert o.writer == "inline" and o.hand_over == "forward"
-    assert ConnectorOptions.parse({"writer": "thread"}, env={}).writer == "thread"
     assert o.lane_slots == 1 << 16
     assert ConnectorOptions.parse({"lane_slots": 0}, env={}).lane_slots == 0
     o = ConnectorOptions.parse(
@@ -27,13 +25,11 @@ def test_options_defaults_env_and_validation() -> None:
     assert o.trusted == frozenset({"10.0.0.2:5800", "h:5801"}) and o.secret == b"abc"
     for bad, why in [
         ({"nope": 1}, "unknown kvpush option"),
+        ({"writer": "thread"}, "unknown kvpush option"),  # removed options are refused
         ({"lease_s": "soon"}, "is not a float"),
         ({"side_channel_port": 70000}, "out of range"),
         ({"watchdog_s": 0}, "must be > 0"),
-        ({"descriptor_mode": "fast"}, "descriptor_mode"),
         ({"peer_copy": "maybe"}, "peer_copy"),
-        ({"writer": "fiber"}, "writer"),
-        ({"hand_over": "later"}, "hand_over"),
         ({"lane_slots": -1}, "lane_slots"),
         ({"trusted_decoders": "no-port"}, "not host:port"),
         ({"shared_secret": "x"}, "unknown kvpush option"),  # secrets come from the environment
@@ -175,11 +171,6 @@ def test_prefiller_hands_over_prefills_this_step_completes() -> None:
     assert meta.confirmed == ["whole", "cached"] and not meta.finished and not meta.early
     p.update({"whole", "cached"}, set(), None)
     assert not p.sched.has_pending_push_work()
-    # The others take the usual way; with hand_over "finished" every request does.
-    opts = ConnectorOptions.parse({"hand_over": "finished"}, env={})
-    late = SchedulerSide("P", opts, True, False, 1)
-    late.update_state_after_alloc(reqs["whole"], ([1, 2, 3],), 0, block_size=128)
-    assert not late.build_meta(out).early
 
 
 def test_worker_side_hands_over_at_the_forward_end_or_at_the_latest_at_the_next_step() -> None:
