@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import signal
 import time
 import urllib.error
 import urllib.request
@@ -212,6 +213,7 @@ def test_stream_cut_by_a_dead_decoder_ends_with_an_error_event(env: dict[str, An
     events = []
     with urllib.request.urlopen(req, timeout=60) as resp:
         assert resp.readline().startswith(b"data:")
+        c.d.send(signal.SIGSTOP)  # at once: D must not finish the stream before it dies
         c.d.kill()
         for line in resp:
             if line.startswith(b"data:"):
