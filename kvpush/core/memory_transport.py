@@ -19,7 +19,7 @@ from kvpush.core.layout import KVLayout
 from kvpush.core.transport import Transport, WriteState
 
 
-@dataclass
+@dataclass(eq=False)  # a handle: compared by identity (its arrays cannot be compared by ==)
 class _Write:
     target: str
     src: np.ndarray
