@@ -222,22 +222,6 @@ def pair_extents(
     return s_addr[si] + s_off, d_addr[di] + d_off, bounds - starts
 
 
-def build_write_descs(
-    local: KVLayout,
-    remote: KVLayout,
-    src_groups: Sequence[Sequence[int]],
-    dst_groups: Sequence[Sequence[int]],
-) -> tuple[np.ndarray, np.ndarray]:
-    """Nx3 (address, length, device) arrays for WRITEs of local blocks into remote blocks.
-
-    ``src_groups[g][i]`` is written into ``dst_groups[g][i]``; regions are paired by layer
-    name and head range (see routing.py).
-    """
-    from kvpush.core.routing import build_pair_descs, pair_regions
-
-    return build_pair_descs(local, remote, pair_regions(local, remote), src_groups, dst_groups)
-
-
 def block_descs(layout: KVLayout) -> np.ndarray:
     """One (address, length, device) row per physical block of every region, region-major.
 

@@ -242,6 +242,3 @@ class PushScheduler:
     def held_blocks(self) -> int:
         """Blocks P still holds for pushes."""
         return sum(self._held.values())
-
-    def pending_receives(self) -> int:
-        return len(self._watchdogs) + len(self._aborted)

@@ -1,6 +1,6 @@
 """GpuStaging: the core's StagingHook over torch tensors (see kvpush/core/staging.py).
 
-P gathers the byte runs of a transfer (the source side of ``build_write_descs``,
+P gathers the byte runs of a transfer (the source side of ``routing.build_pair_descs``,
 in its order) into a slot of its staging buffer with one batched copy, then the
 core WRITEs the slot with one descriptor into the slot D reserved. D scatters
 its slot into its blocks (its own extents, region by region, in block order:

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -10,12 +12,18 @@ from kvpush.core.layout import (
     KVLayout,
     Region,
     as_ids,
-    build_write_descs,
     check_compatible,
     expand,
     validate_block_ids,
 )
-from kvpush.core.routing import block_pieces, pair_regions
+from kvpush.core.routing import block_pieces, build_pair_descs, pair_regions
+
+
+def write_descs(
+    local: KVLayout, remote: KVLayout, src: list[list[int]], dst: list[list[int]]
+) -> tuple[Any, Any]:
+    """The WRITE descriptors of local blocks ``src`` into remote blocks ``dst``."""
+    return build_pair_descs(local, remote, pair_regions(local, remote), src, dst)
 
 
 def layout(
@@ -37,7 +45,7 @@ def test_expand() -> None:
 
 
 def test_contiguous_runs_coalesce() -> None:
-    src, dst = build_write_descs(
+    src, dst = write_descs(
         layout(0), layout(1 << 30), [[1, 2, 3, 7, 8]], [[10, 11, 12, 13, 20]]
     )
     # runs on both sides: (1-3 -> 10-12), (7 -> 13), (8 -> 20): three per region
@@ -47,7 +55,7 @@ def test_contiguous_runs_coalesce() -> None:
 
 
 def test_fully_contiguous_is_one_descriptor_per_region() -> None:
-    src, _ = build_write_descs(layout(0), layout(1 << 30), [list(range(40))], [list(range(5, 45))])
+    src, _ = write_descs(layout(0), layout(1 << 30), [list(range(40))], [list(range(5, 45))])
     assert len(src) == 2
 
 
@@ -56,7 +64,7 @@ def test_ratio_difference_pairs_bytes() -> None:
     p = layout(0, blen=512, ratio=1)
     d = layout(1 << 30, blen=256, ratio=2)
     check_compatible(p, d)
-    src, dst = build_write_descs(p, d, [[0, 1]], [[4, 5]])
+    src, dst = write_descs(p, d, [[0, 1]], [[4, 5]])
     assert src[:, 1].sum() == 2 * 2 * 512
     assert dst[0, 0] == (1 << 30) + 8 * 256  # logical 4 -> physical 8
 
@@ -114,7 +122,7 @@ def test_every_source_byte_lands_on_its_destination(data: st.DataObject) -> None
     n = data.draw(st.integers(1, nb))
     src_ids = data.draw(st.permutations(range(nb)))[:n]
     dst_ids = data.draw(st.permutations(range(nb)))[:n]
-    src, dst = build_write_descs(p, d, [src_ids], [dst_ids])
+    src, dst = write_descs(p, d, [src_ids], [dst_ids])
     # Simulate: memory is one byte array per side; sources hold their own address.
     mem_p = np.arange(4 * nb * blen_logical, dtype=np.int64)
     mem_d = np.full(4 * nb * blen_logical, -1, dtype=np.int64)
