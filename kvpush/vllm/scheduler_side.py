@@ -53,6 +53,14 @@ def transfer_key(request_id: str, transfer_id: Any) -> str | None:
     return tid if prompt == sample == 0 else f"{tid}:{prompt}:{sample}"
 
 
+def p_key(request_id: str, params: dict[str, Any]) -> str:
+    """P's key of a transfer: as ``transfer_key`` when the request carried a transfer id,
+    else minted from P's own request id without its engine suffix. P returns it in its
+    answer's ``kv_transfer_params``, so a proxy that sends the legs in turn (vllm-router)
+    hands it to D, whose registration then matches by key whatever request id D got."""
+    return transfer_key(request_id, params.get("transfer_id")) or base_request_id(request_id)
+
+
 class SchedulerSide:
     def __init__(
         self,
@@ -149,7 +157,7 @@ class SchedulerSide:
             for new in getattr(scheduler_output, "scheduled_new_reqs", None) or ():
                 request = new_p.get(new.req_id)
                 if request is not None and self._ends_here(request, new, counts):
-                    tid = transfer_key(new.req_id, _params(request).get("transfer_id"))
+                    tid = p_key(new.req_id, _params(request))
                     self.sched.hand_over(new.req_id, [list(new.block_ids[0])], tid)
                     if trace.ON:
                         trace.mark("p_sched.hand_over", tid, new.req_id)
@@ -198,7 +206,7 @@ class SchedulerSide:
         early = self.sched.handed_over(rid)  # its push may be reading: held, whatever it ended as
         if not early and (not block_ids or not done):
             return False, None
-        tid = transfer_key(rid, params.get("transfer_id"))
+        tid = p_key(rid, params)
         held = self.sched.request_finished(rid, [list(block_ids)], tid)
         if not done:
             return held, None

@@ -58,3 +58,23 @@ def test_both_sides_key_each_sub_request_of_one_client_request() -> None:
     sent = [s.transfer_id for s in p.sched.build_meta().finished]
     registered = [r.transfer_id for r in d.sched.build_meta().registrations]
     assert sent == registered == ["T", "T:0:1", "T:1:0", "T:1:1"]
+
+
+def test_p_mints_a_key_when_the_request_carried_none() -> None:
+    """Behind a proxy that sends the legs in turn (vllm-router): P keys the transfer by its
+    request id without the engine suffix and returns that key, and D's registration made
+    from P's answer carries it, whatever request id D was given."""
+    from kvpush.vllm.config import ConnectorOptions
+    from kvpush.vllm.scheduler_side import SchedulerSide
+    from tests.unit.test_vllm_adapter import FakeRequest
+
+    opts = ConnectorOptions.parse({}, env={})
+    p = SchedulerSide("P", opts, True, False, 1)
+    d = SchedulerSide("D", opts, False, True, 1)
+    req = FakeRequest("cmpl-abc-0-a1b2c3d4", {"do_remote_decode": True})
+    req.status = "FINISHED_LENGTH_CAPPED"
+    held, params = p.request_finished(req, [1, 2])
+    assert held and params is not None and params["transfer_id"] == "cmpl-abc-0"
+    assert [s.transfer_id for s in p.sched.build_meta().finished] == ["cmpl-abc-0"]
+    d.update_state_after_alloc(FakeRequest("cmpl-other-0-99ff0011", params), ([5, 6],), 200, 128)
+    assert [r.transfer_id for r in d.sched.build_meta().registrations] == ["cmpl-abc-0"]
