@@ -110,11 +110,7 @@ class SchedulerSide:
         params = _params(request)
         if self.is_producer and params.get("do_remote_decode"):
             if trace.ON:
-                trace.mark(
-                    "p_sched.alloc",
-                    transfer_key(request.request_id, params.get("transfer_id")),
-                    request.request_id,
-                )
+                trace.mark("p_sched.alloc", p_key(request.request_id, params), request.request_id)
             self._new_p[request.request_id] = request
         if (
             num_external_tokens <= 0
