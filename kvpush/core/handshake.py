@@ -38,8 +38,8 @@ from typing import Annotated
 import msgspec
 import zmq
 
-from kvpush.core.errors import HandshakeError, LayoutError
-from kvpush.core.layout import KVLayout, Region, check_compatible
+from kvpush.core.errors import HandshakeError
+from kvpush.core.layout import KVLayout, Region
 from kvpush.core.secret import Secret, as_secret
 
 log = logging.getLogger(__name__)
@@ -266,13 +266,12 @@ def fetch_agent_info(
     port: int,
     engine_id: str,
     timeout_s: float,
-    local: KVLayout | None = None,
     secret: Secret | bytes | str | None = None,
     agent: str = "",
 ) -> AgentInfo:
     """Ask a peer's side channel for its AgentInfo; raise HandshakeError on any failure.
 
-    With ``local`` given, the peer's layout must be writable from ours. With ``secret``
+    Layouts are checked by the caller, per direction. With ``secret``
     given, both sides prove they hold it before the info is sent (``agent``, our NIXL
     agent's name, is what the peer then hears notifications from), and a peer that
     does not prove it is not trusted.
@@ -323,11 +322,6 @@ def fetch_agent_info(
     if info.protocol_version != PROTOCOL_VERSION:
         theirs = info.protocol_version
         raise HandshakeError(f"{where} speaks protocol {theirs}, we {PROTOCOL_VERSION}")
-    if local is not None:
-        try:
-            check_compatible(local, info.layout)
-        except LayoutError as e:
-            raise HandshakeError(f"{where} ({info.engine_id}) is incompatible: {e}") from e
     return info
 
 

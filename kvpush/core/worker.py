@@ -333,7 +333,7 @@ class PushWorker:
                 port,
                 self.config.engine_id,
                 self.config.handshake_timeout_s,
-                None,  # layouts are checked per direction on the writer (pairs_to / check_from)
+                # (layouts are checked per direction on the writer: pairs_to / check_from)
                 secret=self.config.shared_secret,
                 agent=self.info.agent_name,  # the name the peer will hear us under
             )
