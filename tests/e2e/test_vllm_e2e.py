@@ -3,7 +3,6 @@ checked token for token against one plain vLLM server (prefix caching off everyw
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -15,7 +14,7 @@ from kvpush.deploy.client import Reply, request
 from kvpush.deploy.demo import Cluster, make_prompts
 from kvpush.deploy.servers import ServerSpec, VllmServer, metric, wait_healthy
 from kvpush.tiny_model import make_tiny_model
-from tests.conftest import wait_until
+from tests.conftest import wait_no_kv_in_use, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -115,13 +114,7 @@ def test_decoder_did_not_compute_the_prompts(env: dict[str, Any]) -> None:
 
 def test_no_blocks_held_afterwards(env: dict[str, Any]) -> None:
     c: Cluster = env["cluster"]
-    deadline = time.monotonic() + 30
-    while True:
-        usage = [metric(s.url, "vllm:kv_cache_usage_perc") for s in (c.p, c.d)]
-        if usage == [0.0, 0.0]:
-            break
-        assert time.monotonic() < deadline, f"KV cache still in use: P, D = {usage}"
-        time.sleep(0.2)
+    wait_no_kv_in_use([c.p, c.d])
     assert metric(c.p.url, "vllm:kvpush_push_failures_total") == 0
 
 
