@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
 import sys
 import threading
 import time
@@ -55,9 +54,6 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-model-len", type=int, default=8192)
     p.add_argument("--kv-cache-gib", type=float, default=6.0, help="KV cache per server")
     p.add_argument("--gpu-util", type=float, default=0.1, help="start-up memory share each")
-    p.add_argument(
-        "--server-args", default="", help="extra vLLM flags for every server (one string)"
-    )
     p.add_argument("--eager", action="store_true", help="no CUDA graphs (vLLM --enforce-eager)")
     p.add_argument("--device", default="cuda", help="cpu: a smoke run of this script")
     p.add_argument("--trace", action="store_true", help="kvpush stage marks per request")
@@ -71,11 +67,9 @@ def _ints(s: str) -> tuple[int, ...]:
 
 
 def _spec(args: argparse.Namespace) -> dict[str, Any]:
-    extra = {"extra_args": shlex.split(args.server_args)}
     if args.device == "cpu":
-        return {"device": "cpu", "max_model_len": args.max_model_len, **extra}
+        return {"device": "cpu", "max_model_len": args.max_model_len}
     return {
-        **extra,
         "cuda_graphs": not args.eager,
         "device": "cuda",
         "max_model_len": args.max_model_len,

@@ -97,12 +97,10 @@ class ServerSpec:
     # instead of profiling (servers started at once would see each other's memory).
     gpu_memory_utilization: float = 0.1
     kv_cache_bytes: int = 0
-    cuda_device: str = ""  # CUDA_VISIBLE_DEVICES for this server (empty: inherited)
     max_num_batched_tokens: int = 0  # 0: vLLM's default
     # Eager (no CUDA graphs, no torch.compile): the CPU build needs it; on GPUs the
     # benchmark can turn CUDA graphs on (cuda_graphs) for every server alike.
     cuda_graphs: bool = False
-    extra_args: list[str] = field(default_factory=list)
     host: str = "127.0.0.1"  # the address the HTTP server listens on
     # A command the server runs under, e.g. one that enters a test host's network
     # namespace (tests/e2e/hosts.py); empty: run it directly.
@@ -126,7 +124,7 @@ class ServerSpec:
             out.append("--enforce-eager")
         if self.max_num_batched_tokens:
             out += ["--max-num-batched-tokens", str(self.max_num_batched_tokens)]
-        return out + list(self.extra_args)
+        return out
 
     def environ(self) -> dict[str, str]:
         """The server's environment: ours, with the device's settings and the spec's own."""
@@ -134,8 +132,6 @@ class ServerSpec:
         if self.device == "cpu":
             env["VLLM_CPU_KVCACHE_SPACE"] = "1"
             env["VLLM_CPU_OMP_THREADS_BIND"] = str(self.core)
-        elif self.cuda_device:
-            env["CUDA_VISIBLE_DEVICES"] = self.cuda_device
         return {**env, **self.env}
 
 

@@ -313,11 +313,7 @@ async def _serve_stream(
         pump = asyncio.create_task(
             _timed(app[METRICS], "decode", sse.pump(upstream, out, "decode", cfg.timeout))
         )
-        ok = await _until_decode_done(prefill, pump)
-    except legs.LegError as err:
-        _count(app, err)
-        log.warning("transfer %s: failed mid-stream: %s", tid, err)
-        await sse.write_error(out, err.to_json(tid))
+        ok = await _relayed(app, out, tid, _until_decode_done(prefill, pump))
     except ConnectionError:
         log.info("transfer %s: client went away mid-stream", tid)
     finally:
@@ -360,21 +356,29 @@ async def _serve_alone(
             status=upstream.status, headers={**out_headers, "Cache-Control": "no-cache"}
         )
         await out.prepare(request)
-        try:
-            ok = await _timed(
-                app[METRICS], "decode", sse.pump(upstream, out, "decode", cfg.timeout)
-            )
-        except legs.LegError as err:
-            _count(app, err)
-            log.warning("transfer %s: failed mid-stream: %s", tid, err)
-            await sse.write_error(out, err.to_json(tid))
-        except ConnectionError:
-            log.info("transfer %s: client went away mid-stream", tid)
+        pump = _timed(app[METRICS], "decode", sse.pump(upstream, out, "decode", cfg.timeout))
+        ok = await _relayed(app, out, tid, pump)
         if ok:
             await out.write_eof()
         return out
     finally:
         upstream.release() if ok else upstream.close()
+
+
+async def _relayed(
+    app: web.Application, out: web.StreamResponse, tid: str, relay: Awaitable[bool]
+) -> bool:
+    """Await a stream's relay to the client; True when it ended cleanly. A failed leg is
+    reported in-stream (the client already has its 200); a client gone is logged."""
+    try:
+        return await relay
+    except legs.LegError as err:
+        _count(app, err)
+        log.warning("transfer %s: failed mid-stream: %s", tid, err)
+        await sse.write_error(out, err.to_json(tid))
+    except ConnectionError:
+        log.info("transfer %s: client went away mid-stream", tid)
+    return False
 
 
 def _abandon_stream(
