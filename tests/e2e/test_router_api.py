@@ -212,8 +212,9 @@ def test_stream_cut_by_a_dead_decoder_ends_with_an_error_event(env: dict[str, An
     )
     events = []
     with urllib.request.urlopen(req, timeout=60) as resp:
-        assert resp.readline().startswith(b"data:")
-        c.d.send(signal.SIGSTOP)  # at once: D must not finish the stream before it dies
+        # The router answered 200: D's stream is open. Freeze D now, before the client
+        # reads anything (a fast D can finish 450 tokens before a first read returns).
+        c.d.send(signal.SIGSTOP)
         c.d.kill()
         for line in resp:
             if line.startswith(b"data:"):
