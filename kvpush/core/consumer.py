@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from kvpush.core import wire
+from kvpush.core import trace, wire
 from kvpush.core.errors import HandshakeError, LayoutError, TransportError
 from kvpush.core.layout import validate_block_ids
 from kvpush.core.routing import d_sources
@@ -70,6 +70,7 @@ class Consumer:
     def __init__(self, worker: PushWorker) -> None:
         self.w = worker
         # ("reg", RecvRegistration, None | (port, handshake future)) | ("cancel", id, expired)
+        # | ("withdraw", RecvRegistration, None | (port, handshake future))
         self.reg_send_inbox: queue.SimpleQueue[tuple[str, Any, Any]] = queue.SimpleQueue()
         self.recvs: dict[str, RecvTransfer] = {}
         self.laned = 0  # receives whose every source has a lane word
@@ -88,6 +89,8 @@ class Consumer:
         kind, payload, extra = item
         if kind == "reg":
             self._on_registration(payload, extra)
+        elif kind == "withdraw":
+            self._withdraw(payload, extra)
         else:
             self._on_cancel(payload, bool(extra))
 
@@ -192,8 +195,10 @@ class Consumer:
             agent in t.agents for t in self.recvs.values() if t.state is not State.REGISTERED
         )
 
-    def _replay(self, r: RecvRegistration, port: int) -> Callable[[Future[Any]], None]:
-        return lambda f: self.reg_send_inbox.put(("reg", r, (port, f)))
+    def _replay(
+        self, r: RecvRegistration, port: int, kind: str = "reg"
+    ) -> Callable[[Future[Any]], None]:
+        return lambda f: self.reg_send_inbox.put((kind, r, (port, f)))
 
     def _p_ranks(self, r: RecvRegistration) -> list[tuple[int, bool]]:
         """(side-channel port, writes to us) of each P rank; port = rank 0's + stage * tp + rank."""
@@ -246,6 +251,32 @@ class Consumer:
             self._end(t, State.EXPIRED, "released" if t.aborted else "failed", reason)
         else:
             self._end(t, State.CANCELLED, "released", "cancelled before P could write")
+
+    def _withdraw(self, r: RecvRegistration, replay: tuple[int, Future[Any]] | None) -> None:
+        """Tell each P rank that ``r`` will never register (handshaking first if need be),
+        so it frees what it keeps for it now. An unreachable P rank frees it at its lease."""
+        ports = [port for port, _ in self._p_ranks(r)]
+        if replay is not None:
+            ports = [replay[0]]
+            try:
+                self.w.load_peer(r.remote_host, replay[0], replay[1])
+            except (HandshakeError, TransportError) as e:
+                log.info(
+                    "withdrawal of %s not sent to %s:%d: %s",
+                    r.request_id,
+                    r.remote_host,
+                    ports[0],
+                    e,
+                )
+                return
+        cancel = wire.PushCancel(request_id=r.request_id, transfer_id=r.transfer_id, withdrawn=True)
+        if trace.ON:
+            trace.mark("d_consumer.withdraw", r.transfer_id, r.request_id)
+        for port in ports:
+            replayed = self._replay(r, port, "withdraw")
+            peer = self.w.ensure_peer(r.remote_host, port, replayed)
+            if peer is not None and self.w.notify(peer.agent, cancel):
+                self.w.stats["withdrawn"] += 1
 
     def _cancel_sources(self, t: RecvTransfer) -> None:
         """Ask every P rank to stop; wait (CANCELLING) for the sources still writing."""

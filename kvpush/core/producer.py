@@ -127,6 +127,7 @@ class Producer:
         self.settling: dict[int, PushTransfer] = {}  # WRITEs waiting for their blocks' event
         self.tombstones: dict[DKey, float] = {}  # cancelled registrations, until expiry
         self.evicted_unknown: set[str] = set()  # evicted before their blocks reached us
+        self.withdrawn: dict[str, float] = {}  # transfer ids D withdrew before we staged them
         self.outbox: dict[tuple[str, int], list[wire.Message]] = defaultdict(list)
 
     def has_unmatched(self) -> bool:
@@ -143,6 +144,10 @@ class Producer:
             return
         if staged.request_id in self.by_prid:
             log.warning("request %s staged twice; ignoring the second", staged.request_id)
+            return
+        if self.withdrawn.pop(staged.transfer_id or "", None) is not None:
+            self.w.stats["withdrawn"] += 1
+            self.w.emit("sent", staged.request_id)  # D will never ask for it
             return
         # The common case first: D's registration of this transfer id came first and its
         # copy is armed: copy now, keep the books after (the copy runs meanwhile).
@@ -270,6 +275,9 @@ class Producer:
     def on_cancel(self, sender: str, msg: wire.PushCancel) -> None:
         dkey = (sender, msg.request_id)
         self.tombstones[dkey] = time.monotonic() + self.w.config.registration_ttl_s
+        if msg.withdrawn:
+            self._withdraw(msg.transfer_id)
+            return
         ack = wire.PushFail(
             request_id=msg.request_id,
             reason="cancelled",
@@ -298,6 +306,20 @@ class Producer:
         self._send_to(t.reg, ack)
         self._finish(t)
 
+    def _withdraw(self, tid: str | None) -> None:
+        """D will never register transfer ``tid``: free what we keep for it now, or as soon
+        as its blocks come (the prompt may still be computing here)."""
+        if trace.ON:
+            trace.mark("p_producer.withdrawn", tid)
+        if tid is None:
+            return  # matched by request id alone: leave it to the lease
+        preq = self.staged.by_tid(tid)
+        if preq is None:
+            self.withdrawn[tid] = time.monotonic() + self.w.config.registration_ttl_s
+        elif not preq.legs:  # no other D rank registered: nothing can be writing
+            self.w.stats["withdrawn"] += 1
+            self.on_evict(preq.prid)
+
     def on_heartbeat(self, sender: str, hb: wire.Heartbeat) -> None:
         for e in hb.entries:
             leg = self.by_dkey.get((sender, e.request_id))
@@ -320,9 +342,8 @@ class Producer:
                 self._send_to(pend.reg, self._fail_msg(pend.reg, "no prefill blocks in time"))
             if not group.regs:
                 self.pending_regs.pop_value(group)
-        for dkey, until in list(self.tombstones.items()):
-            if until < now:
-                del self.tombstones[dkey]
+        self.tombstones = {k: until for k, until in self.tombstones.items() if until >= now}
+        self.withdrawn = {k: until for k, until in self.withdrawn.items() if until >= now}
         held: dict[str, list[wire.HbEntry]] = defaultdict(list)
         for group in self.pending_regs.values():
             for pend in group.regs.values():

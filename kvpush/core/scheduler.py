@@ -49,6 +49,7 @@ class PushScheduler:
         self._watchdogs: dict[str, float] = {}
         self._new_regs: list[RecvRegistration] = []
         self._new_cancels: list[str] = []
+        self._new_withdrawn: list[RecvRegistration] = []
         self._aborted: set[str] = set()
         self._expired: set[str] = set()
         self._rejected: dict[str, str] = {}
@@ -145,12 +146,17 @@ class PushScheduler:
         self._aborted.add(request_id)
         return True
 
+    def withdraw(self, reg: RecvRegistration) -> None:
+        """D aborted a request before it registered (``reg`` names no blocks): the worker
+        tells P, which then frees the blocks it keeps for it without waiting for its lease."""
+        self._new_withdrawn.append(reg)
+
     # ---- every step ----------------------------------------------------------------------
 
     def build_meta(self, now: float | None = None) -> StepMeta:
         now = time.monotonic() if now is None else now
         new = self._new_regs or self._new_cancels or self._new_finished or self._rejected
-        new = new or self._new_early or self._new_confirmed
+        new = new or self._new_early or self._new_confirmed or self._new_withdrawn
         if not new and now < self._next_deadline:  # most steps: nothing to hand over
             return StepMeta()
         meta = StepMeta(
@@ -160,9 +166,10 @@ class PushScheduler:
             rejected=self._rejected,
             early=self._new_early,
             confirmed=self._new_confirmed,
+            withdrawn=self._new_withdrawn,
         )
         self._new_regs, self._new_cancels, self._new_finished = [], [], []
-        self._new_early, self._new_confirmed = [], []
+        self._new_early, self._new_confirmed, self._new_withdrawn = [], [], []
         self._rejected = {}
         if now < self._next_deadline:  # nothing can have run out: no O(requests) scan
             return meta
@@ -237,6 +244,7 @@ class PushScheduler:
             or self._new_finished
             or self._new_early
             or self._new_confirmed
+            or self._new_withdrawn
         )
 
     def held_blocks(self) -> int:

@@ -87,6 +87,9 @@ class StepMeta:
     # worker keeps back their finished_sending until ``confirmed`` names them.
     early: list[StagedBlocks] = field(default_factory=list)
     confirmed: list[str] = field(default_factory=list)  # P: early ones the engine finished
+    # D: requests aborted before they registered (no blocks of theirs to write): P may
+    # free the prompt's blocks it keeps for them at once instead of at lease expiry.
+    withdrawn: list[RecvRegistration] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(
@@ -98,6 +101,7 @@ class StepMeta:
             or self.rejected
             or self.early
             or self.confirmed
+            or self.withdrawn
         )
 
 

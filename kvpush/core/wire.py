@@ -99,10 +99,14 @@ class PushFail(msgspec.Struct, kw_only=True):
 
 
 class PushCancel(msgspec.Struct, kw_only=True):
-    """D aborted this request; P must not start new WRITEs into its blocks."""
+    """D aborted this request; P must not start new WRITEs into its blocks.
+
+    ``withdrawn``: D aborted it before it registered, so it never will; P frees the
+    blocks it keeps for the transfer and sends no answer."""
 
     request_id: Name
     transfer_id: Name | None = None
+    withdrawn: bool = False
 
 
 class HbEntry(msgspec.Struct, array_like=True):

@@ -187,6 +187,8 @@ class PushWorker:
             self.consumer.reg_send_inbox.put(("cancel", rid, False))
         for rid in meta.expired:
             self.consumer.reg_send_inbox.put(("cancel", rid, True))
+        for reg in meta.withdrawn:
+            self.consumer.reg_send_inbox.put(("withdraw", reg, None))
         if not self.inline:
             self._take_finished(meta.finished)
         for rid in meta.evictions:

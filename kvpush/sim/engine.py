@@ -134,6 +134,10 @@ class SimEngine:
         self.events.append(("registered", rid, {"t": time.monotonic()}))
         return True
 
+    def withdraw(self, rid: str, tid: str | None, p_engine: str, p_host: str, p_port: int) -> None:
+        """D: the client went away before the request got blocks (so it never registered)."""
+        self.sched.withdraw(RecvRegistration(rid, [], p_engine, p_host, p_port, transfer_id=tid))
+
     def abort(self, rid: str) -> None:
         """D: the client went away."""
         if rid not in self.d_reqs:

@@ -53,6 +53,20 @@ def transfer_key(request_id: str, transfer_id: Any) -> str | None:
     return tid if prompt == sample == 0 else f"{tid}:{prompt}:{sample}"
 
 
+def registration(rid: str, params: dict[str, Any], groups: list[list[int]]) -> RecvRegistration:
+    """D's registration of ``rid`` with the P named by its ``kv_transfer_params``."""
+    return RecvRegistration(
+        request_id=rid,
+        block_ids=groups,
+        remote_engine_id=str(params.get("remote_engine_id") or "prefill"),
+        remote_host=str(params["remote_host"]),
+        remote_port=int(params["remote_port"]),
+        remote_tp_size=int(params.get("remote_tp_size", params.get("tp_size", 1))),
+        transfer_id=transfer_key(rid, params.get("transfer_id")),
+        remote_pp_size=int(params.get("remote_pp_size", 1)),
+    )
+
+
 def p_key(request_id: str, params: dict[str, Any]) -> str:
     """P's key of a transfer: as ``transfer_key`` when the request carried a transfer id,
     else minted from P's own request id without its engine suffix. P returns it in its
@@ -124,16 +138,7 @@ class SchedulerSide:
         need = -(-num_external_tokens // block_size)
         groups = [list(g[-need:]) if need else [] for g in block_groups]
         try:
-            reg = RecvRegistration(
-                request_id=rid,
-                block_ids=groups,
-                remote_engine_id=str(params.get("remote_engine_id") or "prefill"),
-                remote_host=str(params["remote_host"]),
-                remote_port=int(params["remote_port"]),
-                remote_tp_size=int(params.get("remote_tp_size", params.get("tp_size", 1))),
-                transfer_id=transfer_key(rid, params.get("transfer_id")),
-                remote_pp_size=int(params.get("remote_pp_size", 1)),
-            )
+            reg = registration(rid, params, groups)
         except (KeyError, TypeError, ValueError) as e:
             self.sched.reject(rid, f"kv_transfer_params lack the prefiller's side channel: {e!r}")
             return
@@ -193,6 +198,9 @@ class SchedulerSide:
         if trace.ON:
             trace.mark("sched.finished", transfer_key(rid, params.get("transfer_id")), rid)
         if self.is_consumer and params.get("do_remote_prefill"):
+            if not params.get(_REGISTERED):
+                self._withdraw(rid, params)
+                return False, None
             # Still waiting for P's WRITE? Then keep the blocks until P cannot touch them.
             return self.sched.abort(rid), None
         if not (self.is_producer and params.get("do_remote_decode")):
@@ -216,6 +224,15 @@ class SchedulerSide:
             "remote_tp_size": self.tp_size,
             "remote_pp_size": self.pp_size,
         }
+
+    def _withdraw(self, rid: str, params: dict[str, Any]) -> None:
+        """Aborted before its blocks were allocated (e.g. the client left while it queued):
+        no WRITE can come, and P would keep the prompt's blocks until its lease ran out."""
+        params[_REGISTERED] = True  # once
+        try:
+            self.sched.withdraw(registration(rid, params, []))
+        except (KeyError, TypeError, ValueError):
+            pass  # no side channel named: nothing to tell (P's lease frees what it holds)
 
     def update(self, sending: set[str], recving: set[str], worker_meta: Any) -> None:
         """Apply one step's aggregated worker output."""

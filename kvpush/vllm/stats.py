@@ -23,6 +23,7 @@ _DOCS = {
     "pushes_received": "Requests whose KV arrived here by push (kvpush)",
     "push_failures": "Failed pushes and receives, by cause (kvpush)",
     "early_hand_overs": "Requests this prefiller pushed at the end of their forward (kvpush)",
+    "withdrawals": "Requests aborted on D before they registered: D sent / P freed (kvpush)",
 }
 _LABEL = {"pushes_sent": "path", "push_failures": "cause"}
 _HIST_DOCS = {

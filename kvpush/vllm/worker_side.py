@@ -26,6 +26,7 @@ COUNTERS: dict[str, tuple[str, ...]] = {
     "pushes_sent:nixl": ("writes_done",),  # NIXL WRITE
     "pushes_received": ("recv_done",),
     "early_hand_overs": ("handed_over",),
+    "withdrawals": ("withdrawn",),
     "push_failures:nixl_write": ("write_failed",),
     "push_failures:copy": ("copy_failed",),
     "push_failures:handshake": ("handshake_failed",),

@@ -45,9 +45,7 @@ def test_expand() -> None:
 
 
 def test_contiguous_runs_coalesce() -> None:
-    src, dst = write_descs(
-        layout(0), layout(1 << 30), [[1, 2, 3, 7, 8]], [[10, 11, 12, 13, 20]]
-    )
+    src, dst = write_descs(layout(0), layout(1 << 30), [[1, 2, 3, 7, 8]], [[10, 11, 12, 13, 20]])
     # runs on both sides: (1-3 -> 10-12), (7 -> 13), (8 -> 20): three per region
     assert len(src) == 6
     assert src[:3, 1].tolist() == [768, 256, 256]

@@ -156,6 +156,50 @@ def test_lease_expiry_frees_p_blocks(pair_factory: Callable[..., Pair]) -> None:
     assert pair.p.held_blocks() == 0 and pair.p.worker.stats["writes"] == 0
 
 
+@pytest.mark.parametrize("p_first", [True, False])
+def test_withdrawn_before_registering_frees_p_at_once(
+    pair_factory: Callable[..., Pair], p_first: bool
+) -> None:
+    """D aborted a request before it registered (the client left while it queued): P frees
+    the prompt's blocks now, not at lease expiry (30 s here), whichever came first."""
+    pair = pair_factory(lease_s=30.0)
+    pair.p.prefill("p0", "t0", 1)  # connects D to P
+    pair.register("d0", "t0", 1)
+    pair.until(lambda: recv_ok(pair, "d0"))
+    if p_first:
+        pair.p.prefill("p1", "t1", 4)
+        pair.until(lambda: len(pair.p.worker.producer.staged) == 1)
+    pair.d.withdraw("d1", "t1", "P", "127.0.0.1", pair.p.spec.port)
+    if not p_first:
+        pair.until(lambda: "t1" in pair.p.worker.producer.withdrawn, what="P heard it")
+        pair.p.prefill("p1", "t1", 4)
+    pair.until(lambda: "sent" in pair.p_kinds("p1"), timeout=5.0, what="P freed p1")
+    assert pair.p.worker.stats["withdrawn"] == 1 and pair.p.worker.stats["writes"] == 1
+    assert not pair.p.worker.producer.withdrawn
+    pair.settle()
+
+
+def test_withdrawal_handshakes_with_a_prefiller_not_met_yet(
+    pair_factory: Callable[..., Pair],
+) -> None:
+    pair = pair_factory(lease_s=30.0)
+    pair.p.prefill("p1", "t1", 4)
+    pair.d.withdraw("d1", "t1", "P", "127.0.0.1", pair.p.spec.port)
+    pair.until(lambda: "sent" in pair.p_kinds("p1"), timeout=5.0, what="P freed p1")
+    assert pair.d.worker.stats["withdrawn"] == 1 and pair.d.worker.stats["handshakes"] == 1
+    assert pair.p.worker.stats["withdrawn"] == 1 and pair.p.worker.stats["writes"] == 0
+
+
+def test_withdrawal_to_an_unreachable_prefiller_is_dropped(
+    pair_factory: Callable[..., Pair],
+) -> None:
+    pair = pair_factory()
+    pair.d.withdraw("d1", "t1", "P", "127.0.0.1", free_port())  # nobody listens there
+    pair.until(lambda: pair.d.worker.stats["handshakes"] == 1, what="handshake tried")
+    pair.until(lambda: not pair.d.worker._hs_futures, what="handshake over")
+    assert pair.d.worker.stats["withdrawn"] == 0 and pair.d.worker.stats["writer_errors"] == 0
+
+
 def test_renewed_lease_survives(pair_factory: Callable[..., Pair]) -> None:
     gate = threading.Event()
 
@@ -398,9 +442,7 @@ def test_inline_keeper_polls_while_the_engine_makes_no_call(
     pair = pair_factory(worker={"writer": "inline"}, watchdog_s=1.0)
     pair.register("d1", "t1", 4)
     # Only D steps: P's worker hears of the registration from its keeper alone.
-    wait_until(
-        lambda: len(pair.p.worker.producer.pending_regs) == 1, 10, pair.d.step, "P's keeper"
-    )
+    wait_until(lambda: len(pair.p.worker.producer.pending_regs) == 1, 10, pair.d.step, "P's keeper")
     hb = pair.p.worker.stats
     deadline = time.monotonic() + 2.5  # over twice D's watchdog, P's engine silent
     while time.monotonic() < deadline:

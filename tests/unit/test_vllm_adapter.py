@@ -122,6 +122,23 @@ def test_decoder_abort_keeps_blocks_until_released() -> None:
     assert not d.sched.has_pending_push_work()
 
 
+def test_decoder_abort_before_allocation_withdraws_once() -> None:
+    _, d = sides()
+    params = {"do_remote_prefill": True, "transfer_id": "t1", "remote_host": "h", "remote_port": 9}
+    req = FakeRequest("cmpl-x-0-abcdef12", params)
+    assert d.request_finished(req, []) == (False, None)  # it holds no blocks
+    assert d.sched.has_pending_push_work()  # an idle engine steps once more to send it
+    meta = d.sched.build_meta()
+    (w,) = meta.withdrawn
+    assert (w.transfer_id, w.remote_host, w.remote_port, w.block_ids) == ("t1", "h", 9, [])
+    assert not meta.cancels and not meta.registrations
+    assert d.request_finished(req, []) == (False, None)
+    assert not d.sched.build_meta().withdrawn and not d.sched.has_pending_push_work()
+    # Without a side channel there is no one to tell.
+    assert d.request_finished(FakeRequest("r2", {"do_remote_prefill": True}), []) == (False, None)
+    assert not d.sched.build_meta().withdrawn
+
+
 @dataclass
 class NewReq:  # the fields of vLLM's NewRequestData the scheduler side reads
     req_id: str
