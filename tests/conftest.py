@@ -2,11 +2,28 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import pytest
+
+# Illegal state moves raise (core/types.transition), here and in every process a test starts.
+os.environ["KVPUSH_STRICT_STATES"] = "1"
+
+
+@pytest.fixture(autouse=True)
+def _no_illegal_transitions() -> Any:
+    """Fail a test in whose process a transfer made an illegal move, even one a writer's
+    guard caught and counted (the raise alone would only show as ``writer_errors``)."""
+    from kvpush.core import types
+
+    types.STRICT = True  # in case kvpush was imported before this file set the variable
+    types.ILLEGAL_SEEN.clear()
+    yield
+    seen, types.ILLEGAL_SEEN[:] = list(types.ILLEGAL_SEEN), []
+    assert not seen, f"illegal state moves: {seen}"
 
 
 def free_port() -> int:

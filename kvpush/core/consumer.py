@@ -9,11 +9,11 @@ from __future__ import annotations
 import logging
 import queue
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import msgspec
 
@@ -21,7 +21,7 @@ from kvpush.core import trace, wire
 from kvpush.core.errors import HandshakeError, LayoutError, TransportError
 from kvpush.core.layout import validate_block_ids
 from kvpush.core.routing import d_sources
-from kvpush.core.types import RecvRegistration, State, transition
+from kvpush.core.types import POLL, Moves, Poll, RecvRegistration, State, entered, transition
 
 if TYPE_CHECKING:
     from kvpush.core.worker import Peer, PushWorker
@@ -37,6 +37,32 @@ class RecvTransfer:
     ones that write here, and each sends one completion or one PUSH_FAIL.
     """
 
+    # Every legal move (docs/architecture.md, "Transfer states", shows this table).
+    MOVES: ClassVar[Moves] = {
+        State.REGISTERED: frozenset(
+            {
+                State.AWAITING,  # PUSH_REG sent to every P rank
+                State.FAILED,  # bad block ids, handshake, layout or send failed
+                State.CANCELLED,  # aborted before P knew of it
+                State.EXPIRED,  # watchdog while handshaking
+            }
+        ),
+        State.AWAITING: frozenset(
+            {
+                State.DONE,  # a completion (or lane word) from every source
+                State.CANCELLING,  # abort, watchdog or PUSH_FAIL: stop the other sources
+                State.FAILED,  # the staged WRITE's scatter failed
+            }
+        ),
+        State.CANCELLING: frozenset(
+            {
+                State.CANCELLED,  # aborted, and no source can write any more
+                State.FAILED,  # a PUSH_FAIL, and no source can write any more
+                State.EXPIRED,  # watchdog
+            }
+        ),
+    }
+
     reg: RecvRegistration
     state: State = State.REGISTERED
     agents: list[str] = field(default_factory=list)  # every P rank registered with
@@ -47,6 +73,7 @@ class RecvTransfer:
     lanes: list[int] = field(default_factory=list)  # our lane's words reserved for sources
     laned: bool = False  # every source got a word: the receive ends by a memory read
     sent_at: float = 0.0  # when PUSH_REG went to every P rank (monotonic)
+    stats: Counter[str] | None = field(default=None, repr=False)  # counts illegal moves
 
     @property
     def p_agent(self) -> str | None:
@@ -64,6 +91,9 @@ class RecvTransfer:
     @property
     def name(self) -> str:
         return self.reg.transfer_id or self.reg.request_id
+
+    def poll(self) -> Poll:
+        return POLL[self.state]
 
 
 class Consumer:
@@ -113,9 +143,9 @@ class Consumer:
         if r.request_id in self.recvs:
             log.warning("request %s registered twice; ignoring the second", r.request_id)
             return
-        t = RecvTransfer(r)
+        t = RecvTransfer(r, stats=self.w.stats)
         self.recvs[r.request_id] = t
-        transition(t, State.REGISTERED, t.name)
+        entered(t, t.name)
         try:
             validate_block_ids(self.w.layout, r.block_ids)
         except LayoutError as e:

@@ -8,10 +8,10 @@ from __future__ import annotations
 import logging
 import queue
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
@@ -22,7 +22,7 @@ from kvpush.core.layout import as_ids, block_indices
 from kvpush.core.peer_copy import CopyDst, Signal, copy_dst, copy_src, single_src
 from kvpush.core.routing import build_pair_descs, p_targets
 from kvpush.core.transport import WriteState
-from kvpush.core.types import ENDED, StagedBlocks, State, transition
+from kvpush.core.types import ENDED, POLL, Moves, Poll, StagedBlocks, State, transition
 
 if TYPE_CHECKING:
     from kvpush.core.worker import Peer, PushWorker
@@ -90,6 +90,32 @@ class PRequest:
 class PushTransfer:
     """One leg: a P request on its way into one D rank's registration."""
 
+    # Every legal move (docs/architecture.md, "Transfer states", shows this table).
+    MOVES: ClassVar[Moves] = {
+        State.STAGED: frozenset({State.MATCHED}),  # _attach: a leg is born matched
+        State.MATCHED: frozenset(
+            {
+                State.WRITING,  # WRITE posted or copy launched
+                State.DEFERRED,  # handshake with D still running
+                State.DONE,  # this P rank feeds nothing of that D rank
+                State.FAILED,  # invalid registration, post or launch failed
+                State.EXPIRED,  # lease ran out (also while settling)
+                State.CANCELLED,  # PUSH_CANCEL
+            }
+        ),
+        State.DEFERRED: frozenset(
+            {
+                State.WRITING,
+                State.DEFERRED,  # D restarted as a new agent: handshake again
+                State.FAILED,
+                State.EXPIRED,
+                State.CANCELLED,
+            }
+        ),
+        # Neither lease nor cancel ends a WRITE in flight: only its outcome.
+        State.WRITING: frozenset({State.DONE, State.FAILED}),
+    }
+
     prid: str
     blocks: list[list[int]]
     tid: str | None
@@ -106,10 +132,14 @@ class PushTransfer:
     rechecked: bool = False  # the decoder's address was handshaken again (restart)
     staged_at: float = field(default_factory=time.monotonic)
     preq: PRequest | None = None
+    stats: Counter[str] | None = field(default=None, repr=False)  # counts illegal moves
 
     @property
     def name(self) -> str:
         return self.tid or self.prid
+
+    def poll(self) -> Poll:
+        return POLL[self.state]
 
 
 class Producer:
@@ -397,7 +427,7 @@ class Producer:
             self.w.stats["reg_invalid"] += 1
             self._send_to(reg, self._fail_msg(reg, "inconsistent or repeated D rank"))
             return
-        leg = PushTransfer(preq.prid, preq.blocks, preq.tid, preq=preq)
+        leg = PushTransfer(preq.prid, preq.blocks, preq.tid, preq=preq, stats=self.w.stats)
         leg.reg, leg.sender, leg.dst, leg.armed = reg, pend.sender, pend.dst, pend.armed
         if early is not None and pend.armed is None:
             leg.early = early

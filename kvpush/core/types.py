@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,7 +17,8 @@ log = logging.getLogger("kvpush.transfer")
 
 
 class State(enum.Enum):
-    """Named states of a transfer; every change is logged at debug with the transfer id."""
+    """Named states of a transfer. Which moves are legal is each record's ``MOVES`` table
+    (``producer.PushTransfer``, ``consumer.RecvTransfer``); ``transition`` enforces it."""
 
     REGISTERED = "registered"  # D: registration known, not yet sent to P
     AWAITING = "awaiting"  # D: registration sent, waiting for P's WRITE
@@ -31,17 +33,84 @@ class State(enum.Enum):
     CANCELLED = "cancelled"
 
 
-ENDED = frozenset({State.DONE, State.FAILED, State.EXPIRED, State.CANCELLED})
+class Poll(enum.Enum):
+    """A transfer's state as its users need it (in the spirit of SGLang's ``KVPoll``)."""
+
+    WAITING = "waiting"  # nothing is in flight yet: no byte can touch the blocks
+    TRANSFERRING = "transferring"  # bytes may be moving: the blocks must stay
+    SUCCESS = "success"  # the KV is in D's blocks
+    FAILED = "failed"  # ended without the KV: failed, expired or cancelled
+
+
+POLL = {
+    State.REGISTERED: Poll.WAITING,
+    State.STAGED: Poll.WAITING,
+    State.MATCHED: Poll.WAITING,
+    State.DEFERRED: Poll.WAITING,
+    State.AWAITING: Poll.TRANSFERRING,  # P holds the registration: it may write any time
+    State.CANCELLING: Poll.TRANSFERRING,  # a WRITE may still land until P confirms
+    State.WRITING: Poll.TRANSFERRING,
+    State.DONE: Poll.SUCCESS,
+    State.FAILED: Poll.FAILED,
+    State.EXPIRED: Poll.FAILED,
+    State.CANCELLED: Poll.FAILED,
+}
+ENDED = frozenset(s for s, p in POLL.items() if p in (Poll.SUCCESS, Poll.FAILED))
+
+Moves = dict[State, frozenset[State]]
+
+
+class IllegalTransition(RuntimeError):
+    """A move its record's ``MOVES`` table does not allow: a bug in kvpush."""
+
+
+# Strict (tests: tests/conftest.py sets KVPUSH_STRICT_STATES=1): an illegal move raises.
+# Otherwise it is logged as an error, counted (``illegal_transition`` in the worker's
+# stats) and made anyway: the engine keeps running and the record's other checks decide.
+STRICT = os.environ.get("KVPUSH_STRICT_STATES", "") == "1"
+ILLEGAL_SEEN: list[str] = []  # strict only: every illegal move, for the tests' check
 
 
 def transition(obj: object, new: State, name: str, why: str = "") -> None:
-    """Set ``obj.state`` and log the change."""
-    old = getattr(obj, "state", None)
+    """Move ``obj.state`` to ``new`` if ``type(obj).MOVES`` allows it; log the change."""
+    old = obj.state  # type: ignore[attr-defined]
+    if new not in type(obj).MOVES.get(old, ()):  # type: ignore[attr-defined]
+        _illegal(obj, old, new, name, why)
     obj.state = new  # type: ignore[attr-defined]
     if trace.ON:
         trace.mark(f"{type(obj).__name__}.{new.value}", name)
     if log.isEnabledFor(logging.DEBUG):
-        log.debug("transfer %s: %s -> %s %s", name, getattr(old, "value", old), new.value, why)
+        log.debug("transfer %s: %s -> %s %s", name, old.value, new.value, why)
+
+
+def entered(obj: object, name: str) -> None:
+    """Log (and trace) the state a record starts in; no move."""
+    state: State = obj.state  # type: ignore[attr-defined]
+    if trace.ON:
+        trace.mark(f"{type(obj).__name__}.{state.value}", name)
+    if log.isEnabledFor(logging.DEBUG):
+        log.debug("transfer %s: starts %s", name, state.value)
+
+
+def _illegal(obj: object, old: State, new: State, name: str, why: str) -> None:
+    what = f"{type(obj).__name__} {name}: illegal move {old.value} -> {new.value} ({why})"
+    stats = getattr(obj, "stats", None)
+    if stats is not None:
+        stats["illegal_transition"] += 1
+    if STRICT:
+        ILLEGAL_SEEN.append(what)
+        raise IllegalTransition(what)
+    log.error("kvpush bug: %s", what)
+
+
+def render_moves(moves: Moves) -> str:
+    """The table as text, one line per state with moves (docs/architecture.md shows it)."""
+    width = max(len(s.name) for s in moves)
+    order = list(State)
+    return "\n".join(
+        f"{old.name:<{width}} -> " + ", ".join(s.name for s in sorted(to, key=order.index))
+        for old, to in moves.items()
+    )
 
 
 @dataclass

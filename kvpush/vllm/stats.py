@@ -24,6 +24,7 @@ _DOCS = {
     "push_failures": "Failed pushes and receives, by cause (kvpush)",
     "early_hand_overs": "Requests this prefiller pushed at the end of their forward (kvpush)",
     "withdrawals": "Requests aborted on D before they registered: D sent / P freed (kvpush)",
+    "illegal_transitions": "Transfers moved where their state table forbids: a bug (kvpush)",
 }
 _LABEL = {"pushes_sent": "path", "push_failures": "cause"}
 _HIST_DOCS = {

@@ -36,6 +36,8 @@ COUNTERS: dict[str, tuple[str, ...]] = {
     "push_failures:lease_expired": ("lease_expired",),
     "push_failures:receive_failed": ("recv_failed",),
     "push_failures:watchdog": ("recv_expired",),
+    # A transfer moved where its table (core/types.transition) forbids: a kvpush bug.
+    "illegal_transitions": ("illegal_transition",),
 }
 # Latency observations (seconds), drained from the worker at every report.
 HISTOGRAMS = ("push_seconds", "kv_wait_seconds")

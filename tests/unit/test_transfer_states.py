@@ -1,0 +1,123 @@
+"""The transfer records' move tables: what they allow, refuse, count and show."""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from kvpush.core import types
+from kvpush.core.consumer import RecvTransfer
+from kvpush.core.producer import PushTransfer
+from kvpush.core.types import ENDED, POLL, IllegalTransition, Poll, RecvRegistration, State
+
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "architecture.md"
+
+
+def p_leg(state: State) -> PushTransfer:
+    return PushTransfer("p1", [[1, 2]], "t1", state=state, stats=Counter())
+
+
+def d_recv(state: State) -> RecvTransfer:
+    reg = RecvRegistration("d1", [[3, 4]], "P", "127.0.0.1", 5600, transfer_id="t1")
+    return RecvTransfer(reg, state=state, stats=Counter())
+
+
+RECORDS = [
+    pytest.param(p_leg, PushTransfer.MOVES, id="P"),
+    pytest.param(d_recv, RecvTransfer.MOVES, id="D"),
+]
+
+
+@pytest.mark.parametrize(("make", "moves"), RECORDS)
+def test_every_legal_move_passes(make: Any, moves: types.Moves) -> None:
+    n = 0
+    for old, allowed in moves.items():
+        for new in allowed:
+            t = make(old)
+            types.transition(t, new, t.name, "test")
+            assert t.state is new and t.stats["illegal_transition"] == 0
+            n += 1
+    assert n == sum(len(v) for v in moves.values()) > 0
+
+
+@pytest.mark.parametrize(("make", "moves"), RECORDS)
+def test_every_illegal_move_raises_and_changes_nothing(make: Any, moves: types.Moves) -> None:
+    refused = 0
+    for old in State:
+        for new in set(State) - moves.get(old, frozenset()):
+            t = make(old)
+            with pytest.raises(IllegalTransition, match=f"{old.value} -> {new.value}"):
+                types.transition(t, new, t.name)
+            assert t.state is old and t.stats["illegal_transition"] == 1
+            refused += 1
+    assert len(types.ILLEGAL_SEEN) == refused
+    types.ILLEGAL_SEEN.clear()  # seen on purpose: the autouse check must not fail the test
+    # No way out of an ended state, and none back into a record's first state.
+    assert not ENDED & set(moves)
+    first = next(iter(moves))
+    assert all(first not in to for to in moves.values())
+    assert refused > len(State) * len(ENDED)
+
+
+def test_a_few_illegal_moves_by_name() -> None:
+    for t, new in [
+        (p_leg(State.WRITING), State.CANCELLED),  # a WRITE in flight ends by its outcome
+        (p_leg(State.WRITING), State.EXPIRED),
+        (p_leg(State.DONE), State.WRITING),
+        (p_leg(State.STAGED), State.WRITING),  # never without D's registration
+        (d_recv(State.AWAITING), State.CANCELLED),  # not before every source is quiet
+        (d_recv(State.CANCELLED), State.DONE),
+        (d_recv(State.REGISTERED), State.CANCELLING),  # nothing was sent to cancel
+    ]:
+        with pytest.raises(IllegalTransition):
+            types.transition(t, new, t.name)
+    types.ILLEGAL_SEEN.clear()
+
+
+def test_in_production_an_illegal_move_is_logged_counted_and_made(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(types, "STRICT", False)
+    t = p_leg(State.DONE)
+    with caplog.at_level(logging.ERROR, logger="kvpush.transfer"):
+        types.transition(t, State.FAILED, t.name, "late failure")
+    assert t.state is State.FAILED and t.stats["illegal_transition"] == 1
+    assert "illegal move done -> failed (late failure)" in caplog.text
+    assert types.ILLEGAL_SEEN == []
+
+
+def test_the_connector_reports_illegal_moves() -> None:
+    from kvpush.vllm.config import ConnectorOptions
+    from kvpush.vllm.worker_side import WorkerSide
+
+    side = WorkerSide("e", ConnectorOptions(), 0, 1)
+    stats: Counter[str] = Counter(illegal_transition=2)
+    side.worker = SimpleNamespace(stats=stats, take_observations=dict)  # type: ignore[assignment]
+    assert side.stats_delta()["illegal_transitions"] == 2
+    stats["illegal_transition"] += 1
+    assert side.stats_delta()["illegal_transitions"] == 1
+
+
+def test_poll_names_every_state() -> None:
+    assert set(POLL) == set(State)
+    assert ENDED == {s for s, p in POLL.items() if p in (Poll.SUCCESS, Poll.FAILED)}
+    assert p_leg(State.DEFERRED).poll() is Poll.WAITING
+    assert p_leg(State.WRITING).poll() is Poll.TRANSFERRING
+    assert d_recv(State.CANCELLING).poll() is Poll.TRANSFERRING  # a WRITE may still land
+    assert d_recv(State.DONE).poll() is Poll.SUCCESS
+    assert d_recv(State.EXPIRED).poll() is Poll.FAILED
+    # Only a record's own states: P's never pass through D's and the reverse.
+    for moves in (PushTransfer.MOVES, RecvTransfer.MOVES):
+        assert set(POLL[s] for s in moves) <= {Poll.WAITING, Poll.TRANSFERRING}
+
+
+def test_the_architecture_doc_shows_exactly_the_tables() -> None:
+    text = DOCS.read_text()
+    for moves in (PushTransfer.MOVES, RecvTransfer.MOVES):
+        drawn = types.render_moves(moves)
+        assert f"```text\n{drawn}\n```" in text, drawn
