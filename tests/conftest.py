@@ -26,6 +26,15 @@ def _no_illegal_transitions() -> Any:
     assert not seen, f"illegal state moves: {seen}"
 
 
+def illegal_moves(proc: Any) -> int:
+    """Illegal state moves a child engine (``sim.process.EngineProcess``) counted: its
+    writer's guard catches the strict raise, so only its count shows it."""
+    try:
+        return int(proc.stats(timeout=5).get("illegal_transition", 0))
+    except (TimeoutError, RuntimeError):  # dead or stuck: its test says why
+        return 0
+
+
 def free_port() -> int:
     from kvpush.deploy.servers import free_port as pick
 

@@ -26,7 +26,7 @@ from kvpush.core import wire
 from kvpush.core.handshake import AgentInfo, fetch_agent_info
 from kvpush.sim.engine import SimSpec
 from kvpush.sim.process import EngineProcess
-from tests.conftest import free_port, wait_until
+from tests.conftest import free_port, illegal_moves, wait_until
 from tests.unit.test_handshake import Raw
 
 pytestmark = pytest.mark.integration
@@ -119,11 +119,18 @@ class Proxy:
 def cleanup() -> Iterator[list[Any]]:
     made: list[Any] = []
     yield made
+    illegal = {
+        e.spec.engine_id: illegal_moves(e)
+        for e in made
+        if isinstance(e, EngineProcess) and e.proc.is_alive()
+    }
     for thing in reversed(made):
         if isinstance(thing, EngineProcess):
             thing.kill()
         else:
             thing()
+    # A child's guard catches the strict raise (tests/conftest.py); its count shows it.
+    assert not any(illegal.values()), f"illegal state moves: {illegal}"
 
 
 def start(cleanup: list[Any], name: str) -> EngineProcess:

@@ -10,7 +10,7 @@ import pytest
 from kvpush.sim.demo import DemoOptions, run_demo
 from kvpush.sim.engine import SimSpec
 from kvpush.sim.process import EngineProcess
-from tests.conftest import free_port
+from tests.conftest import free_port, illegal_moves
 
 pytestmark = pytest.mark.integration
 
@@ -19,8 +19,10 @@ pytestmark = pytest.mark.integration
 def procs() -> Iterator[list[EngineProcess]]:
     made: list[EngineProcess] = []
     yield made
+    illegal = {p.spec.engine_id: illegal_moves(p) for p in made if p.proc.is_alive()}
     for p in made:
         p.kill()
+    assert not any(illegal.values()), f"illegal state moves: {illegal}"
 
 
 def start(procs: list[EngineProcess], name: str, **kw: object) -> EngineProcess:
