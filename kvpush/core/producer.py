@@ -211,9 +211,10 @@ class Producer:
         self.staged.pop_value(preq)
         for leg in list(preq.legs.values()):
             # A WRITE in flight ends by its outcome; its source blocks stay held until then.
-            if leg.state is State.WRITING:
+            polled = leg.poll()
+            if polled is Poll.TRANSFERRING:
                 self._disconnect_silent(leg)
-            elif leg.state not in ENDED:
+            elif polled is Poll.WAITING:
                 transition(leg, State.EXPIRED, leg.name, "lease expired")
                 if leg.reg is not None:
                     self.w.stats["lease_expired"] += 1
@@ -328,7 +329,7 @@ class Producer:
             if sender in self.w.peers_by_agent:  # nothing of ours can touch its blocks
                 self.w.notify(sender, ack)
             return
-        if t.state is State.WRITING:
+        if t.poll() is Poll.TRANSFERRING:
             t.cancelled = True  # the WRITE's completion or failure answers D
             return
         transition(t, State.CANCELLED, t.name, "D cancelled")
