@@ -103,8 +103,8 @@ def test_d_killed_mid_stream_p_frees_within_lease(procs: list[EngineProcess], wr
     d.kill()
     for i in range(10):  # prefills whose decoder is gone
         p.send("prefill", f"b{i}-p", f"b{i}", 8)
-    freed_after = wait_held_zero(p, lease + 8.0)
-    assert freed_after <= lease + 8.0
+    freed_after = wait_held_zero(p, lease + 8.0)  # raises past that bound
+    assert freed_after > lease / 2  # the b prefills were held until their lease ran out
     # The survivor serves a new decoder.
     d2 = start(procs, "D2")
     for i in range(5):
@@ -127,9 +127,9 @@ def test_p_killed_after_registration_d_fails_within_watchdog(procs: list[EngineP
         time.sleep(0.02)
     killed = time.monotonic()
     p.kill()
-    for i in range(3):
-        d.wait_for(lambda e, i=i: e[0] == "failed" and e[1] == f"r{i}-d", watchdog + 10)
-    assert time.monotonic() - killed < watchdog + 10
+    for i in range(3):  # all three within one bound from the kill (wait_for raises past it)
+        left = killed + watchdog + 10 - time.monotonic()
+        d.wait_for(lambda e, i=i: e[0] == "failed" and e[1] == f"r{i}-d", max(left, 0.1))
     wait_held_zero(d, 5)
     # The survivor serves a new prefiller.
     p2 = start(procs, "P2")

@@ -1,4 +1,8 @@
-"""The push state machines over the in-memory transport, stepped deterministically."""
+"""The push state machines end to end over the in-memory transport: two real SimEngines
+(each with its writer thread, or the inline writer), real ZMQ handshakes on loopback,
+heartbeats and timers on the wall clock; tests step both engines and poll for outcomes
+with deadlines (conftest.wait_until), so they are not deterministic. The stepped,
+thread-free tests of the same state machines are in test_transfer_states.py."""
 
 from __future__ import annotations
 
