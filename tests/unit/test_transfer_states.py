@@ -121,3 +121,96 @@ def test_the_architecture_doc_shows_exactly_the_tables() -> None:
     for moves in (PushTransfer.MOVES, RecvTransfer.MOVES):
         drawn = types.render_moves(moves)
         assert f"```text\n{drawn}\n```" in text, drawn
+
+
+class StubWorker:
+    """Just what ``Consumer`` asks of its worker: every P rank connected and reachable,
+    no lane, no staging; what it sends and reports is recorded. No thread, no clock."""
+
+    def __init__(self) -> None:
+        from kvpush.core.layout import KVLayout, Region
+        from kvpush.core.types import WorkerConfig
+
+        self.stats: Counter[str] = Counter()
+        self.config = WorkerConfig(engine_id="D")
+        self.layout = KVLayout([Region("r", 4096, 64, 16)], 16)
+        self.lane = self.staging = None
+        self.sent: list[tuple[str, Any]] = []
+        self.events: list[tuple[str, str]] = []
+
+    def ensure_peer(self, host: str, port: int, then: Any) -> Any:
+        return SimpleNamespace(agent=f"P{port}", info=SimpleNamespace(peer_copy=None))
+
+    def silent(self, peer: Any) -> bool:
+        return False
+
+    def check_from(self, peer: Any) -> None:
+        pass
+
+    def notify(self, agent: str, msg: Any) -> bool:
+        self.sent.append((agent, msg))
+        return True
+
+    def emit(self, kind: str, rid: str, reason: str = "") -> None:
+        self.events.append((kind, rid))
+
+    def observe(self, name: str, seconds: float) -> None:
+        pass
+
+
+def stepped_d(p_ranks: int = 2) -> tuple[Any, StubWorker, RecvTransfer]:
+    """A Consumer with one receive AWAITING the WRITEs of ``p_ranks`` P ranks (P0, P1...)."""
+    from kvpush.core.consumer import Consumer
+
+    w = StubWorker()
+    c = Consumer(w)  # type: ignore[arg-type]
+    reg = RecvRegistration("d1", [[1, 2]], "P", "h", 0, remote_tp_size=p_ranks)
+    c.on_item(("reg", reg, None))
+    t = c.recvs["d1"]
+    assert t.state is State.AWAITING and t.sources == [f"P{i}" for i in range(p_ranks)]
+    return c, w, t
+
+
+def test_stepped_receive_done_after_every_source() -> None:
+    from kvpush.core.wire import Completion
+
+    c, w, t = stepped_d()
+    c.on_completion("P0", Completion("d1", 2))
+    assert t.poll() is Poll.TRANSFERRING and "d1" in c.recvs
+    c.on_completion("P0", Completion("d1", 2))  # a second from the same source: ignored
+    assert w.stats["completion_wrong_sender"] == 1
+    c.on_completion("P1", Completion("d1", 2))
+    assert t.state is State.DONE and w.events == [("recv", "d1")] and not c.recvs
+
+
+def test_stepped_push_fail_waits_for_the_other_source_then_fails() -> None:
+    from kvpush.core.wire import Completion, PushCancel, PushFail
+
+    c, w, t = stepped_d()
+    c.on_push_fail("P0", PushFail(request_id="d1", reason="WRITE failed"))
+    assert t.state is State.CANCELLING  # P1 may still be writing into the blocks
+    assert {a for a, m in w.sent if isinstance(m, PushCancel)} == {"P0", "P1"}
+    assert w.events == []
+    c.on_completion("P1", Completion("d1", 2))
+    assert t.state is State.FAILED and w.events == [("failed", "d1")]
+
+
+def test_stepped_abort_is_released_once_every_source_confirmed() -> None:
+    from kvpush.core.wire import PushFail
+
+    c, w, t = stepped_d()
+    c.on_item(("cancel", "d1", False))
+    assert t.state is State.CANCELLING and w.events == []
+    c.on_push_fail("P0", PushFail(request_id="d1", reason="cancelled"))
+    assert t.state is State.CANCELLING
+    c.on_push_fail("P1", PushFail(request_id="d1", reason="cancelled"))
+    assert t.state is State.CANCELLED and w.events == [("released", "d1")]
+    c.on_item(("cancel", "d1", False))  # the engine's second word on it changes nothing
+    assert w.stats["cancel_after_end"] == 1 and w.events == [("released", "d1")]
+
+
+def test_stepped_watchdog_expires_an_awaiting_receive() -> None:
+    c, w, t = stepped_d(1)
+    c.on_item(("cancel", "d1", True))
+    assert t.state is State.EXPIRED and w.events == [("failed", "d1")]
+    assert w.stats["recv_expired"] == 1
