@@ -214,3 +214,150 @@ def test_stepped_watchdog_expires_an_awaiting_receive() -> None:
     c.on_item(("cancel", "d1", True))
     assert t.state is State.EXPIRED and w.events == [("failed", "d1")]
     assert w.stats["recv_expired"] == 1
+
+
+class StubP:
+    """Just what ``Producer`` asks of its worker: one D (agent "D0", same layout) that is
+    connected, or whose handshake the test finishes (``connect``); WRITEs the test ends
+    (``end_writes``). No thread, no clock."""
+
+    def __init__(self, connected: bool = True) -> None:
+        from kvpush.core.layout import KVLayout, Region, group_limits
+        from kvpush.core.types import WorkerConfig
+
+        self.stats: Counter[str] = Counter()
+        self.config = WorkerConfig(engine_id="P")
+        self.layout = KVLayout([Region("r", 4096, 64, 16, layers=["l0"])], 16)
+        self.limits = group_limits(self.layout)
+        self.peer_copy = self.staging = self.local_prepped = None
+        info = SimpleNamespace(layout=self.layout, peer_copy=None, staging=None)
+        self.peer = SimpleNamespace(agent="D0", info=info, prepped=None, copy_declined=False)
+        self.peers: dict[tuple[str, int], Any] = {}
+        self.peers_by_agent: dict[str, Any] = {}
+        self.waiting: list[Any] = []  # handshake callbacks
+        self.writes: list[Any] = []
+        self.transport = self
+        self.sent: list[Any] = []
+        self.events: list[tuple[str, str]] = []
+        if connected:
+            self.connect()
+
+    def connect(self) -> None:
+        self.peers[("h", 7)] = self.peers_by_agent["D0"] = self.peer
+
+    def ensure_peer(self, host: str, port: int, then: Any) -> Any:
+        if (host, port) in self.peers:
+            return self.peers[(host, port)]
+        self.waiting.append(then)
+        return None
+
+    def load_peer(self, host: str, port: int, fut: Any) -> Any:
+        return self.peers[(host, port)]
+
+    def pairs_to(self, peer: Any) -> Any:
+        from kvpush.core.routing import pair_regions
+
+        return pair_regions(self.layout, peer.info.layout)
+
+    def write(self, agent: str, src: Any, dst: Any, notif: bytes) -> Any:
+        from kvpush.core.transport import WriteState
+
+        self.writes.append(SimpleNamespace(state=WriteState.PENDING))
+        return self.writes[-1]
+
+    def end_writes(self, ok: bool) -> None:
+        from kvpush.core.transport import WriteState
+
+        for h in self.writes:
+            h.state = WriteState.DONE if ok else WriteState.ERROR
+
+    def check(self, handle: Any) -> Any:
+        return handle.state
+
+    def release(self, handle: Any) -> None:
+        pass
+
+    def notify(self, agent: str, msg: Any) -> bool:
+        self.sent.append(msg)
+        return True
+
+    def emit(self, kind: str, rid: str, reason: str = "") -> None:
+        self.events.append((kind, rid))
+
+    def observe(self, name: str, seconds: float) -> None:
+        pass
+
+    def silent(self, peer: Any) -> bool:
+        return False
+
+
+def stepped_p(connected: bool = True) -> tuple[Any, StubP, PushTransfer]:
+    """A Producer whose request p1 met D0's registration d1 (P's blocks first)."""
+    from kvpush.core import wire
+    from kvpush.core.producer import Producer
+    from kvpush.core.types import StagedBlocks
+
+    w = StubP(connected)
+    p = Producer(w)  # type: ignore[arg-type]
+    p.on_finished(StagedBlocks("p1", [[5, 6]], "t1"))
+    reg = wire.PushReg(
+        request_id="d1",
+        decode_engine_id="D",
+        decode_host="h",
+        decode_port=7,
+        decode_tp_size=1,
+        local_block_ids=[[1, 2]],
+        remote_engine_id="P",
+        remote_host="h",
+        remote_port=5600,
+        remote_tp_size=1,
+        transfer_id="t1",
+    )
+    p.on_push_reg("D0", reg)
+    return p, w, p.by_prid["p1"].legs[0]
+
+
+def test_stepped_push_writes_then_frees_p_blocks() -> None:
+    p, w, leg = stepped_p()
+    assert leg.state is State.WRITING and len(w.writes) == 1 and w.events == []
+    assert p.check_writes() == 0  # still pending
+    w.end_writes(ok=True)
+    assert p.check_writes() == 1
+    assert leg.state is State.DONE and w.events == [("sent", "p1")]
+
+
+def test_stepped_push_deferred_behind_the_handshake() -> None:
+    p, w, leg = stepped_p(connected=False)
+    assert leg.state is State.DEFERRED and leg.poll() is Poll.WAITING and len(w.waiting) == 1
+    w.connect()
+    w.waiting.pop()(None)  # the handshake's callback: its result goes to P's inbox
+    p.on_deferred(p.deferred_push_inbox.get_nowait())
+    assert leg.state is State.WRITING and len(w.writes) == 1
+
+
+def test_stepped_failed_write_fails_the_leg_and_tells_d() -> None:
+    from kvpush.core.wire import PushFail
+
+    p, w, leg = stepped_p()
+    w.end_writes(ok=False)
+    p.check_writes()
+    assert leg.state is State.FAILED and w.events == [("sent", "p1")]
+    assert [m.reason for m in w.sent if isinstance(m, PushFail)] == ["WRITE failed"]
+
+
+def test_stepped_cancel_and_lease_end_a_waiting_leg_not_a_writing_one() -> None:
+    from kvpush.core.wire import PushCancel
+
+    p, w, leg = stepped_p()
+    p.on_cancel("D0", PushCancel(request_id="d1", transfer_id="t1"))
+    p.on_evict("p1")
+    assert leg.state is State.WRITING and leg.cancelled and w.events == []  # its outcome ends it
+    w.end_writes(ok=True)
+    p.check_writes()
+    assert leg.state is State.DONE and w.events == [("sent", "p1")]
+    p, w, leg = stepped_p(connected=False)
+    p.on_cancel("D0", PushCancel(request_id="d1", transfer_id="t1"))
+    assert leg.state is State.CANCELLED and w.events == [("sent", "p1")]
+    p, w, leg = stepped_p(connected=False)
+    p.on_evict("p1")
+    assert leg.state is State.EXPIRED and w.stats["lease_expired"] == 1
