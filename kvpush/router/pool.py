@@ -148,7 +148,7 @@ class Pool:
     def __init__(self, policy: Policy) -> None:
         self.policy = policy
         self.instances: dict[Role, dict[str, Instance]] = {"prefill": {}, "decode": {}}
-        self._turn = 0  # breaks ties between equally loaded instances
+        self._turn = {"prefill": 0, "decode": 0}  # breaks ties between equally loaded ones
 
     def all(self) -> list[Instance]:
         return [i for role in ROLES for i in self.instances[role].values()]
@@ -202,8 +202,8 @@ class Pool:
                 ):
                     return inst
         best = [i for i in ready if i.load(weight) == least]
-        self._turn += 1
-        return best[self._turn % len(best)]
+        self._turn[role] += 1
+        return best[self._turn[role] % len(best)]
 
 
 def _rank(key: bytes, url: str) -> bytes:
