@@ -18,7 +18,7 @@ import pytest
 from kvpush.deploy.client import Reply, request
 from kvpush.deploy.pools import PoolCluster
 from kvpush.deploy.servers import metric
-from kvpush.router.pool import InstanceSpec, Pool, Policy, affinity_key
+from kvpush.router.pool import InstanceSpec, Policy, Pool, affinity_key
 from kvpush.tiny_model import make_tiny_model
 from tests.conftest import wait_no_kv_in_use, wait_until
 
