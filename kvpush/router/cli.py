@@ -109,23 +109,26 @@ def run(args: argparse.Namespace) -> int:
         given = instances(args)
     except ValueError as exc:
         raise SystemExit(f"kvpush router: {exc}") from None
-    policy = Policy(
-        breaker_failures=args.breaker_failures,
-        breaker_cooldown=args.breaker_cooldown,
-        affinity_chars=args.affinity_chars,
-    )
-    config = RouterConfig(
-        timeout=args.timeout,
-        decode_kv_extra=args.decode_kv_extra,
-        instances=given,
-        config_path=args.config,
-        policy=policy,
-        health_interval=args.health_interval,
-        health_timeout=args.health_timeout,
-        scrape_interval=args.scrape_interval,
-        retries=args.retries,
-        admin_token=args.admin_token,
-    )
+    try:
+        policy = Policy(
+            breaker_failures=args.breaker_failures,
+            breaker_cooldown=args.breaker_cooldown,
+            affinity_chars=args.affinity_chars,
+        )
+        config = RouterConfig(
+            timeout=args.timeout,
+            decode_kv_extra=args.decode_kv_extra,
+            instances=given,
+            config_path=args.config,
+            policy=policy,
+            health_interval=args.health_interval,
+            health_timeout=args.health_timeout,
+            scrape_interval=args.scrape_interval,
+            retries=args.retries,
+            admin_token=args.admin_token,
+        )
+    except ValueError as exc:
+        raise SystemExit(f"kvpush router: {exc}") from None
     # handler_cancellation: a client that hangs up cancels its handler, whose cleanup then
     # cancels both legs, so P and D abort the request instead of finishing it for nobody.
     web.run_app(

@@ -34,6 +34,28 @@ class RouterConfig:
     retries: int = 1  # more attempts on another pair, before the client got a byte
     admin_token: str | None = None  # required as "Bearer <token>" by /admin/* when set
 
+    def __post_init__(self) -> None:
+        positive = {
+            "timeout": self.timeout,
+            "health_interval": self.health_interval,
+            "health_timeout": self.health_timeout,
+            "scrape_interval": self.scrape_interval,
+            "breaker_cooldown": self.policy.breaker_cooldown,
+        }
+        for name, value in positive.items():
+            if not value > 0:
+                raise ValueError(f"{name} must be > 0, got {value}")
+        counts = {
+            "health_fails": self.health_fails,
+            "health_passes": self.health_passes,
+            "breaker_failures": self.policy.breaker_failures,
+        }
+        for name, value in counts.items():
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if self.retries < 0 or self.policy.affinity_chars < 0:
+            raise ValueError("retries and affinity_chars must be >= 0")
+
     def specs(self) -> list[InstanceSpec]:
         """The instances given directly (not by the config file)."""
         out = list(self.instances)

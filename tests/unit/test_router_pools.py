@@ -396,3 +396,35 @@ def test_config_file_reload_and_admin_input_checks(tmp_path: Path) -> None:
                 await fake.runner.cleanup()
 
     asyncio.run(main())
+
+
+def test_flags_and_settings_are_checked() -> None:
+    import argparse
+
+    import pytest
+
+    from kvpush.router import cli
+
+    parser = argparse.ArgumentParser()
+    cli.add_parser(parser.add_subparsers())
+    args = parser.parse_args(
+        "router --port 1 --prefill http://a:1/ --prefill-side-channel a:5 "
+        "--prefill http://b:1 --prefill-side-channel b:5 --decode http://c:1".split()
+    )
+    assert cli.instances(args) == (
+        InstanceSpec("prefill", "http://a:1", ("a", 5)),
+        InstanceSpec("prefill", "http://b:1", ("b", 5)),
+        InstanceSpec("decode", "http://c:1"),
+    )
+    for bad in (
+        "router --port 1 --prefill http://a --prefill http://b --prefill-side-channel a:5 "
+        "--decode http://c",
+        "router --port 1 --prefill http://a",
+    ):
+        with pytest.raises(ValueError):
+            cli.instances(parser.parse_args(bad.split()))
+    for settings in ({"retries": -1}, {"health_interval": 0}, {"health_passes": 0}):
+        with pytest.raises(ValueError):
+            RouterConfig("http://a", "http://b", **settings)
+    with pytest.raises(ValueError):
+        make_app(RouterConfig())
