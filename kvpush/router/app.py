@@ -2,9 +2,8 @@
 decode instances (`pool.py`; one pair is a pool of one each).
 
 Per client request: pick a prefiller and a decoder (`Pool.choose`), issue a transfer id,
-start the prefill leg and the decode leg at the
-same time (push only beats pull when P does not wait for D or the other way round), and
-answer with the decode leg. Rules that keep the client from ever hanging:
+start the prefill leg and the decode leg at the same time (push only beats pull when P
+does not wait for D or the other way round), and answer with the decode leg. Rules that keep the client from ever hanging:
 
 - every leg has its own timeout (`legs.py`), so every wait here ends;
 - a prefill failure before the decode leg has finished fails the request and cancels the
@@ -17,10 +16,10 @@ answer with the decode leg. Rules that keep the client from ever hanging:
   closed, so vLLM aborts it); D got the client's body unchanged, so when P refuses, D's
   refusal (same as a plain server's) is preferred if it comes within a moment.
 
-A leg that fails (connection, 5xx, timeout) before the client got a byte (unary: any
-time; stream: before its 200) sends the whole request again, with a new transfer id, on
-another pair without the failed instance (`RouterConfig.retries` times at most); after
-the first byte the failure is the client's to see, in-stream.
+A leg that fails (connection, 5xx) before the client got a byte (unary: any time; stream:
+before D's first event, which the client's 200 waits for) sends the whole request again,
+with a new transfer id, on another pair without the failed instance (at most
+`RouterConfig.retries` times); after the first byte the failure is reported in-stream.
 
 A request P cannot help with (``bodies.decoder_alone``: prompt logprobs, beam search,
 prompt embeddings, a body that is not a JSON object) goes to the decoder alone, as sent.
@@ -153,7 +152,10 @@ async def _proxy(request: web.Request, path: str, chat: bool) -> web.StreamRespo
                 metrics.retried(err.leg)  # type: ignore[union-attr]
                 log.warning("transfer %s: %s; sent again on another pair", tid, err)
                 tid = headers["X-Request-Id"] = uuid.uuid4().hex
-            outcome = await _attempt(request, path, body, chat, headers, tid, p, d, stream)
+            retry_ok = attempt < cfg.retries and pool.spare("decode", {*failed["decode"], d.url})
+            outcome = await _attempt(
+                request, path, body, chat, headers, tid, p, d, stream, retry_ok
+            )
             if not isinstance(outcome, legs.LegError):
                 return outcome
             err = outcome
@@ -176,6 +178,7 @@ async def _attempt(
     p: Instance,
     d: Instance,
     stream: bool,
+    retry_ok: bool,
 ) -> Outcome:
     """One try of the request on the pair (p, d), both legs at once."""
     app = request.app
@@ -194,7 +197,9 @@ async def _attempt(
     dbody = bodies.decode_body(body, tid, p.spec.side_channel, cfg.decode_kv_extra)
     log.debug("transfer %s: legs started on %s and %s (stream=%s)", tid, p.url, d.url, stream)
     if stream:
-        return await _serve_stream(request, path, dbody, dict(headers), prefill, tid, d)
+        return await _serve_stream(
+            request, path, dbody, dict(headers), prefill, tid, d, retry_ok
+        )
     return await _serve_unary(request, path, dbody, dict(headers), prefill, tid, d)
 
 
@@ -308,15 +313,19 @@ async def _serve_stream(
     prefill: asyncio.Task[Any],
     tid: str,
     d: Instance,
+    retry_ok: bool,
 ) -> Outcome:
+    """The decode stream; the client's 200 waits for D's first chunk (D sends its
+    headers at once, its first chunk only with the first token, i.e. once P's KV is in),
+    so that a failure of either leg before any token can still be retried."""
     app = request.app
     cfg, metrics = app[CONFIG], app[METRICS]
     with using(metrics, d) as verdict:
         opening = asyncio.create_task(
-            legs.open_stream(app[SESSION], "decode", d.url + path, dbody, headers, cfg.timeout)
+            _open_first(app, d.url + path, dbody, headers, retry_ok)
         )
         try:
-            upstream = await _until_decode_done(prefill, opening)
+            upstream, first = await _until_decode_done(prefill, opening)
         except legs.LegError as err:
             _abandon_stream(app, tid, prefill, opening)
             if err.leg == "decode":
@@ -339,7 +348,7 @@ async def _serve_stream(
         try:
             await out.prepare(request)
             pump = asyncio.create_task(
-                timed(metrics, d, sse.pump(upstream, out, "decode", cfg.timeout))
+                timed(metrics, d, sse.pump(upstream, out, "decode", cfg.timeout, first))
             )
             ok = await replies.relayed(app, out, tid, _until_decode_done(prefill, pump), verdict)
         except ConnectionError:
@@ -355,14 +364,36 @@ async def _serve_stream(
     return out
 
 
+async def _open_first(
+    app: web.Application, url: str, dbody: dict[str, Any], headers: dict[str, str], check: bool
+) -> tuple[aiohttp.ClientResponse, bytes]:
+    """Open the decode stream and read its first chunk. With `check`, a stream that
+    begins with a server-side error event (vLLM's 5xx after its 200: say, no KV in time)
+    is a `LegError`, so the request can be sent again; without, it is relayed as is."""
+    timeout = app[CONFIG].timeout
+    upstream = await legs.open_stream(app[SESSION], "decode", url, dbody, headers, timeout)
+    try:
+        first = await legs.read_chunk(upstream, "decode", timeout)
+        if not first:
+            raise legs.LegError("decode", "connection", "the stream ended before any event")
+        code = sse.error_code(first) if check else None
+        if code is not None and code >= 500:
+            detail = first[:500].decode("utf-8", errors="replace")
+            raise legs.LegError("decode", "upstream", f"stream began with {detail}", code)
+    except BaseException:
+        upstream.close()
+        raise
+    return upstream, first
+
+
 def _abandon_stream(
     app: web.Application,
     tid: str,
     prefill: asyncio.Task[Any],
-    opening: asyncio.Task[aiohttp.ClientResponse],
+    opening: asyncio.Task[tuple[aiohttp.ClientResponse, bytes]],
 ) -> None:
     # The decode stream may have opened just as the prefill leg failed: give its
     # connection back rather than leak it.
     if opening.done() and not opening.cancelled() and opening.exception() is None:
-        opening.result().release()
+        opening.result()[0].close()
     _settle(app, tid, prefill, False, opening)

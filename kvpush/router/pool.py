@@ -180,6 +180,12 @@ class Pool:
         for spec in specs:
             self.add(spec)
 
+    def spare(self, role: Role, exclude: set[str]) -> bool:
+        """Whether an instance of `role` outside `exclude` could take a retry."""
+        return any(
+            not i.draining and i.url not in exclude for i in self.instances[role].values()
+        )
+
     def choose(
         self, role: Role, key: bytes | None = None, exclude: frozenset[str] = frozenset()
     ) -> Instance | None:

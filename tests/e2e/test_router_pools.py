@@ -35,7 +35,23 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     work = tmp_path_factory.mktemp("router-pools")
     model = make_tiny_model(str(work / "model"))
     with PoolCluster(model, str(work), 2, 2, router_args=ROUTER_ARGS) as cluster:
+        warm_up(cluster, model)
         yield {"model": model, "c": cluster}
+
+
+def warm_up(c: PoolCluster, model: str) -> None:
+    """One request per (P, D) pair, one at a time (the other decoder drained meanwhile):
+    each pair's first push pays its handshakes outside the measured runs."""
+    by_p = prompts_for(c, 1)
+    for d in c.ds:
+        others = [o for o in c.ds if o is not d]
+        for o in others:
+            admin(c, "/admin/drain", {"role": "decode", "url": o.url, "drain": True})
+        for p in c.ps:
+            reply = request(c.router.url, model, by_p[p.url][0], max_tokens=2, timeout=TIMEOUT)
+            assert reply.ok, reply.error
+        for o in others:
+            admin(c, "/admin/drain", {"role": "decode", "url": o.url, "drain": False})
 
 
 def prompts_for(c: PoolCluster, n: int) -> dict[str, list[str]]:

@@ -36,6 +36,7 @@ class Fake:
         self.waiting = 0.0  # what /metrics says
         self.hold: asyncio.Event | None = None  # D: answer only once set
         self.cut_stream: asyncio.Event | None = None  # D: one chunk, then break off once set
+        self.error_first = False  # D: a 200 stream whose first event is a 500 error
         self.url = ""
         self.runner: web.AppRunner | None = None
 
@@ -74,6 +75,9 @@ class Fake:
             return web.json_response({"choices": [{"text": self.name}]})
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
+        if self.error_first:  # as vLLM writes a failure after its 200
+            await resp.write(b'data: {"error": {"code": 500}}\n\ndata: [DONE]\n\n')
+            return resp
         await resp.write(f"data: {json.dumps({'by': self.name})}\n\n".encode())
         if self.cut_stream is not None:
             await asyncio.wait_for(self.cut_stream.wait(), DEADLINE)
@@ -428,3 +432,25 @@ def test_flags_and_settings_are_checked() -> None:
             RouterConfig("http://a", "http://b", **settings)
     with pytest.raises(ValueError):
         make_app(RouterConfig())
+
+
+def test_a_stream_that_begins_with_an_error_is_sent_again_unless_it_is_the_last_try() -> None:
+    async def main() -> None:
+        async with pools(1, 2) as (url, cl, ps, ds):
+            ds[0].error_first = True
+            ds[1].waiting = 50  # d0 first
+
+            async def scraped() -> bool:
+                return bool((await instances(cl, url))[ds[1].url]["waiting"] == 50)
+
+            await until(scraped, "d1's queue scraped")
+            status, lines = await complete(cl, url, stream=True)
+            assert status == 200 and json.loads(lines[0][6:]) == {"by": "d1"}
+            assert len(ds[0].hits) == 1 and len(ds[1].hits) == 1
+            # No other decoder: vLLM's own stream, error event and all, as a plain server.
+            async with cl.post(url + "/admin/drain", json={"role": "decode", "url": ds[1].url}):
+                pass
+            status, lines = await complete(cl, url, stream=True)
+            assert status == 200 and lines == ['data: {"error": {"code": 500}}', "data: [DONE]"]
+
+    asyncio.run(main())
