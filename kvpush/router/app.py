@@ -3,7 +3,8 @@ decode instances (`pool.py`; one pair is a pool of one each).
 
 Per client request: pick a prefiller and a decoder (`Pool.choose`), issue a transfer id,
 start the prefill leg and the decode leg at the same time (push only beats pull when P
-does not wait for D or the other way round), and answer with the decode leg. Rules that keep the client from ever hanging:
+does not wait for D or the other way round), and answer with the decode leg. Rules that
+keep the client from ever hanging:
 
 - every leg has its own timeout (`legs.py`), so every wait here ends;
 - a prefill failure before the decode leg has finished fails the request and cancels the
@@ -360,7 +361,7 @@ async def _serve_stream(
             _settle(app, tid, prefill, ok, pump)
         verdict.ok = ok
     if ok:
-        await out.write_eof()
+        await replies.end(out)
     return out
 
 

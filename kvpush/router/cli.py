@@ -63,7 +63,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--retries", type=int, default=1, help="tries on another pair (default 1)")
     p.add_argument("--health-interval", type=float, default=1.0, metavar="S")
-    p.add_argument("--health-timeout", type=float, default=2.0, metavar="S")
+    p.add_argument("--health-timeout", type=float, default=5.0, metavar="S")
+    p.add_argument("--health-fails", type=int, default=2, metavar="N")
+    p.add_argument("--health-passes", type=int, default=2, metavar="N")
     p.add_argument("--scrape-interval", type=float, default=1.0, metavar="S")
     p.add_argument("--breaker-failures", type=int, default=3, metavar="N")
     p.add_argument("--breaker-cooldown", type=float, default=5.0, metavar="S")
@@ -123,6 +125,8 @@ def run(args: argparse.Namespace) -> int:
             policy=policy,
             health_interval=args.health_interval,
             health_timeout=args.health_timeout,
+            health_fails=args.health_fails,
+            health_passes=args.health_passes,
             scrape_interval=args.scrape_interval,
             retries=args.retries,
             admin_token=args.admin_token,

@@ -27,8 +27,8 @@ class RouterConfig:
     config_path: str | None = None
     policy: Policy = field(default_factory=Policy)
     health_interval: float = 1.0  # seconds between /health probes of each instance
-    health_timeout: float = 2.0  # a slower answer counts as a failed probe
-    health_fails: int = 1  # failed probes in a row that take an instance out
+    health_timeout: float = 5.0  # a slower answer counts as a failed probe
+    health_fails: int = 2  # failed probes in a row that take an instance out
     health_passes: int = 2  # passed probes in a row that bring it back
     scrape_interval: float = 1.0  # seconds between /metrics scrapes of each instance
     retries: int = 1  # more attempts on another pair, before the client got a byte

@@ -94,7 +94,7 @@ async def serve_alone(
             pump = timed(metrics, d, sse.pump(upstream, out, "decode", cfg.timeout))
             ok = verdict.ok = await relayed(app, out, tid, pump, verdict)
             if ok:
-                await out.write_eof()
+                await end(out)
             return out
         finally:
             upstream.release() if ok else upstream.close()
@@ -120,3 +120,11 @@ async def relayed(
     except ConnectionError:
         log.info("transfer %s: client went away mid-stream", tid)
     return False
+
+
+async def end(out: web.StreamResponse) -> None:
+    """Close a relayed stream; a client that left right after [DONE] is no error."""
+    try:
+        await out.write_eof()
+    except ConnectionError:
+        log.debug("client gone before the end of its stream was written")
