@@ -153,10 +153,8 @@ async def _proxy(request: web.Request, path: str, chat: bool) -> web.StreamRespo
                 metrics.retried(err.leg)  # type: ignore[union-attr]
                 log.warning("transfer %s: %s; sent again on another pair", tid, err)
                 tid = headers["X-Request-Id"] = uuid.uuid4().hex
-            retry_ok = attempt < cfg.retries and pool.spare("decode", {*failed["decode"], d.url})
-            outcome = await _attempt(
-                request, path, body, chat, headers, tid, p, d, stream, retry_ok
-            )
+            again = attempt < cfg.retries and pool.spare("decode", {*failed["decode"], d.url})
+            outcome = await _attempt(request, path, body, chat, headers, tid, p, d, stream, again)
             if not isinstance(outcome, legs.LegError):
                 return outcome
             err = outcome
@@ -316,9 +314,8 @@ async def _serve_stream(
     d: Instance,
     retry_ok: bool,
 ) -> Outcome:
-    """The decode stream; the client's 200 waits for D's first chunk (D sends its
-    headers at once, its first chunk only with the first token, i.e. once P's KV is in),
-    so that a failure of either leg before any token can still be retried."""
+    """The decode stream. The client's 200 waits for D's first chunk (D's headers come at
+    once, its first chunk with the first token), so a failure before it can be retried."""
     app = request.app
     cfg, metrics = app[CONFIG], app[METRICS]
     with using(metrics, d) as verdict:
