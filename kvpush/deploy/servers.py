@@ -223,31 +223,28 @@ class VllmServer(Proc):
 
 
 class RouterProc(Proc):
+    """`kvpush router` as a subprocess; `prefill`, `decode` and `side_channel` may each be
+    one value or a list (pools; side channels pair with prefill URLs in order)."""
+
     def __init__(
         self,
-        prefill: str,
-        decode: str,
-        side_channel: str,
+        prefill: str | list[str],
+        decode: str | list[str],
+        side_channel: str | list[str],
         log_dir: str,
         port: int = 0,
         extra: list[str] | None = None,
     ) -> None:
         self.port = port or free_port()
-        argv = [
-            sys.executable,
-            "-m",
-            "kvpush.cli",
-            "router",
-            "--prefill",
-            prefill,
-            "--decode",
-            decode,
-            "--port",
-            str(self.port),
-            "--prefill-side-channel",
-            side_channel,
-            *(extra or []),
-        ]
+        argv = [sys.executable, "-m", "kvpush.cli", "router", "--port", str(self.port)]
+        for flag, values in (
+            ("--prefill", prefill),
+            ("--decode", decode),
+            ("--prefill-side-channel", side_channel),
+        ):
+            for value in [values] if isinstance(values, str) else values:
+                argv += [flag, value]
+        argv += extra or []
         super().__init__("router", argv, dict(os.environ), Path(log_dir) / "router.log")
 
     @property

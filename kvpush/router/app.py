@@ -1,8 +1,10 @@
-"""HTTP handlers of the router: an OpenAI-compatible front for one prefill/decode pair.
+"""HTTP handlers of the router: an OpenAI-compatible front for pools of prefill and
+decode instances (`pool.py`; one pair is a pool of one each).
 
-Per client request: issue a transfer id, start the prefill leg and the decode leg at the
-same time (push only beats pull when P does not wait for D or the other way round), and
-answer with the decode leg. Rules that keep the client from ever hanging:
+Per client request: pick a prefiller and a decoder (`Pool.choose`), issue a transfer id,
+start the prefill leg and the decode leg at the same time (push only beats pull when P
+does not wait for D or the other way round), and answer with the decode leg. Rules that
+keep the client from ever hanging:
 
 - every leg has its own timeout (`legs.py`), so every wait here ends;
 - a prefill failure before the decode leg has finished fails the request and cancels the
@@ -15,6 +17,11 @@ answer with the decode leg. Rules that keep the client from ever hanging:
   closed, so vLLM aborts it); D got the client's body unchanged, so when P refuses, D's
   refusal (same as a plain server's) is preferred if it comes within a moment.
 
+A leg that fails (connection, 5xx) before the client got a byte (unary: any time; stream:
+before D's first event, which the client's 200 waits for) sends the whole request again,
+with a new transfer id, on another pair without the failed instance (at most
+`RouterConfig.retries` times); after the first byte the failure is reported in-stream.
+
 A request P cannot help with (``bodies.decoder_alone``: prompt logprobs, beam search,
 prompt embeddings, a body that is not a JSON object) goes to the decoder alone, as sent.
 """
@@ -26,19 +33,22 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator
 from typing import Any, TypeVar
 
 import aiohttp
 from aiohttp import web
 
-from kvpush.router import bodies, info, legs, sse
-from kvpush.router.config import BACKGROUND, CONFIG, LIMITS, METRICS, SESSION, RouterConfig
+from kvpush.router import admin, bodies, info, legs, replies, sse, upkeep
+from kvpush.router.config import BACKGROUND, CONFIG, LIMITS, METRICS, POOL, SESSION, RouterConfig
 from kvpush.router.metrics import RouterMetrics
+from kvpush.router.pool import Instance, Pool, Role, affinity_key
+from kvpush.router.tracking import leg, timed, using
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+Outcome = web.StreamResponse | legs.LegError  # a LegError: failed before the client got a byte
 
 # Long prompts are legitimate; aiohttp's default 1 MiB request limit is not enough.
 _MAX_REQUEST_BYTES = 64 * 1024 * 1024
@@ -49,12 +59,20 @@ _ASK_AGAIN_S = 10.0
 
 def make_app(config: RouterConfig) -> web.Application:
     """The router application; the upstream session lives as long as the app runs."""
+    if not config.specs() and not config.config_path:
+        raise ValueError("the router needs at least one prefill and one decode instance")
     app = web.Application(client_max_size=_MAX_REQUEST_BYTES)
     app[CONFIG] = config
     app[METRICS] = RouterMetrics()
     app[BACKGROUND] = set()
     app[LIMITS] = {}
+    pool = app[POOL] = Pool(config.policy)
+    for spec in config.specs():
+        pool.add(spec)
+    app[METRICS].watch(lambda: [i.describe() for i in pool.all()])
     app.cleanup_ctx.append(_session_ctx)
+    app.cleanup_ctx.append(upkeep.upkeep_ctx)
+    admin.add_routes(app)
     app.router.add_post("/v1/completions", _completions)
     app.router.add_post("/v1/chat/completions", _chat_completions)
     app.router.add_get("/v1/models", info.models)
@@ -80,11 +98,6 @@ async def _session_ctx(app: web.Application) -> AsyncIterator[None]:
     await session.close()
 
 
-def _json_error(status: int, payload: dict[str, Any], transfer_id: str | None) -> web.Response:
-    headers = {"X-Request-Id": transfer_id} if transfer_id else None
-    return web.json_response(payload, status=status, headers=headers)
-
-
 async def _completions(request: web.Request) -> web.StreamResponse:
     return await _proxy(request, "/v1/completions", chat=False)
 
@@ -100,7 +113,7 @@ async def _proxy(request: web.Request, path: str, chat: bool) -> web.StreamRespo
     except (json.JSONDecodeError, UnicodeDecodeError):
         body = None
     app = request.app
-    cfg, metrics = app[CONFIG], app[METRICS]
+    cfg, metrics, pool = app[CONFIG], app[METRICS], app[POOL]
     tid = uuid.uuid4().hex
     # The same request id on both legs lets P and D match each other even without
     # transfer_id support (the in-tree connectors match on it), and gives the engine
@@ -120,30 +133,73 @@ async def _proxy(request: web.Request, path: str, chat: bool) -> web.StreamRespo
             metrics.decoder_alone(alone)
             log.debug("transfer %s: to the decoder alone (%s)", tid, alone)
             headers["Content-Type"] = request.headers.get("Content-Type", "application/json")
-            return await _serve_alone(request, path, raw, headers, tid)
+            d = pool.choose("decode")
+            if d is None:
+                return replies.none_available(app, "decode", tid)
+            return await replies.serve_alone(request, path, raw, headers, tid, d)
         assert isinstance(body, dict)
-        # Both legs are created before anything is awaited: they run concurrently.
-        prefill = asyncio.create_task(
-            _timed(
-                metrics,
-                "prefill",
-                legs.call_unary(
-                    app[SESSION],
-                    "prefill",
-                    cfg.prefill_url + path,
-                    bodies.prefill_body(body, tid, chat),
-                    headers,
-                    cfg.timeout,
-                ),
-            )
-        )
-        dbody = bodies.decode_body(body, tid, cfg.prefill_side_channel, cfg.decode_kv_extra)
-        log.debug("transfer %s: legs started (stream=%s)", tid, stream)
-        if stream:
-            return await _serve_stream(request, path, dbody, headers, prefill, tid)
-        return await _serve_unary(request, path, dbody, headers, prefill, tid)
+        key = affinity_key(body, chat, cfg.policy.affinity_chars)
+        failed: dict[Role, set[str]] = {"prefill": set(), "decode": set()}
+        err: legs.LegError | None = None
+        for attempt in range(cfg.retries + 1):
+            p = pool.choose("prefill", key, frozenset(failed["prefill"]))
+            d = pool.choose("decode", None, frozenset(failed["decode"]))
+            if p is None or d is None:
+                if err is not None:  # no other pair to try: the last failure stands
+                    return replies.leg_failed(app, err, tid)
+                return replies.none_available(app, "prefill" if p is None else "decode", tid)
+            if attempt:
+                replies.count(app, err)  # type: ignore[arg-type]
+                metrics.retried(err.leg)  # type: ignore[union-attr]
+                log.warning("transfer %s: %s; sent again on another pair", tid, err)
+                tid = headers["X-Request-Id"] = uuid.uuid4().hex
+            again = attempt < cfg.retries and pool.spare("decode", {*failed["decode"], d.url})
+            outcome = await _attempt(request, path, body, chat, headers, tid, p, d, stream, again)
+            if not isinstance(outcome, legs.LegError):
+                return outcome
+            err = outcome
+            if err.refused or err.kind == "timeout":
+                break  # the client's mistake, or its patience already spent once
+            failed[err.leg].add((p if err.leg == "prefill" else d).url)
+        assert err is not None
+        return replies.leg_failed(app, err, tid)
     finally:
         metrics.request_finished(endpoint, time.monotonic() - start)
+
+
+async def _attempt(
+    request: web.Request,
+    path: str,
+    body: dict[str, Any],
+    chat: bool,
+    headers: dict[str, str],
+    tid: str,
+    p: Instance,
+    d: Instance,
+    stream: bool,
+    retry_ok: bool,
+) -> Outcome:
+    """One try of the request on the pair (p, d), both legs at once."""
+    app = request.app
+    cfg, metrics = app[CONFIG], app[METRICS]
+    pbody = bodies.prefill_body(body, tid, chat)
+    # Created before anything is awaited: both legs run concurrently.
+    prefill = asyncio.create_task(
+        leg(
+            metrics,
+            p,
+            legs.call_unary(
+                app[SESSION], "prefill", p.url + path, pbody, dict(headers), cfg.timeout
+            ),
+        )
+    )
+    dbody = bodies.decode_body(body, tid, p.spec.side_channel, cfg.decode_kv_extra)
+    log.debug("transfer %s: legs started on %s and %s (stream=%s)", tid, p.url, d.url, stream)
+    if stream:
+        return await _serve_stream(
+            request, path, dbody, dict(headers), prefill, tid, d, retry_ok
+        )
+    return await _serve_unary(request, path, dbody, dict(headers), prefill, tid, d)
 
 
 async def _max_model_len(app: web.Application) -> int | None:
@@ -156,13 +212,6 @@ async def _max_model_len(app: web.Application) -> int | None:
         limits["max_model_len"] = await info.max_model_len(app)
     value = limits.get("max_model_len")
     return int(value) if value is not None else None
-
-
-async def _timed(metrics: RouterMetrics, leg: str, coro: Awaitable[T]) -> T:
-    start = time.monotonic()
-    result = await coro
-    metrics.leg_finished(leg, time.monotonic() - start)
-    return result
 
 
 async def _until_decode_done(prefill: asyncio.Task[Any], decode: asyncio.Task[T]) -> T:
@@ -222,24 +271,9 @@ def _settle(
     prefill.add_done_callback(_done)
 
 
-def _count(app: web.Application, err: legs.LegError) -> None:
-    app[METRICS].error(err.leg, "refused" if err.refused else err.kind)
-
-
 def _retrieve(task: asyncio.Task[Any]) -> None:
     if not task.cancelled():
         task.exception()
-
-
-def _leg_failed(app: web.Application, err: legs.LegError, tid: str) -> web.Response:
-    _count(app, err)
-    if err.refused:
-        # The client's mistake: vLLM's own status and body, as one plain server answers.
-        log.info("transfer %s: %s", tid, err)
-        headers = {"Content-Type": err.content_type, "X-Request-Id": tid}
-        return web.Response(body=err.body, status=err.http_status, headers=headers)
-    log.warning("transfer %s: %s", tid, err)
-    return _json_error(err.http_status, err.to_json(tid), tid)
 
 
 async def _serve_unary(
@@ -249,24 +283,18 @@ async def _serve_unary(
     headers: dict[str, str],
     prefill: asyncio.Task[Any],
     tid: str,
-) -> web.StreamResponse:
+    d: Instance,
+) -> Outcome:
     app = request.app
     cfg = app[CONFIG]
-    decode = asyncio.create_task(
-        _timed(
-            app[METRICS],
-            "decode",
-            legs.call_unary(
-                app[SESSION], "decode", cfg.decode_url + path, dbody, headers, cfg.timeout
-            ),
-        )
-    )
+    call = legs.call_unary(app[SESSION], "decode", d.url + path, dbody, headers, cfg.timeout)
+    decode = asyncio.create_task(leg(app[METRICS], d, call))
     ok = False
     try:
         result = await _until_decode_done(prefill, decode)
         ok = True
     except legs.LegError as err:
-        return _leg_failed(app, err, tid)
+        return err
     finally:
         _settle(app, tid, prefill, ok, decode)
     return web.Response(
@@ -283,112 +311,87 @@ async def _serve_stream(
     headers: dict[str, str],
     prefill: asyncio.Task[Any],
     tid: str,
-) -> web.StreamResponse:
+    d: Instance,
+    retry_ok: bool,
+) -> Outcome:
+    """The decode stream. The client's 200 waits for D's first chunk (D's headers come at
+    once, its first chunk with the first token), so a failure before it can be retried."""
     app = request.app
-    cfg = app[CONFIG]
-    opening = asyncio.create_task(
-        legs.open_stream(app[SESSION], "decode", cfg.decode_url + path, dbody, headers, cfg.timeout)
-    )
-    try:
-        upstream = await _until_decode_done(prefill, opening)
-    except legs.LegError as err:
-        _abandon_stream(app, tid, prefill, opening)
-        return _leg_failed(app, err, tid)
-    except BaseException:
-        _abandon_stream(app, tid, prefill, opening)
-        raise
-    # From here the client has a 200: a later failure can only be reported in-stream.
-    out = web.StreamResponse(
-        status=upstream.status,
-        headers={
-            "Content-Type": upstream.headers.get("Content-Type", "text/event-stream"),
-            "Cache-Control": "no-cache",
-            "X-Request-Id": tid,
-        },
-    )
-    ok = False
-    pump: asyncio.Task[bool] | None = None
-    try:
-        await out.prepare(request)
-        pump = asyncio.create_task(
-            _timed(app[METRICS], "decode", sse.pump(upstream, out, "decode", cfg.timeout))
+    cfg, metrics = app[CONFIG], app[METRICS]
+    with using(metrics, d) as verdict:
+        opening = asyncio.create_task(
+            _open_first(app, d.url + path, dbody, headers, retry_ok)
         )
-        ok = await _relayed(app, out, tid, _until_decode_done(prefill, pump))
-    except ConnectionError:
-        log.info("transfer %s: client went away mid-stream", tid)
-    finally:
-        # An unfinished stream's connection is closed, not pooled: D sees the hang-up
-        # and aborts the request.
-        upstream.release() if ok else upstream.close()
-        _settle(app, tid, prefill, ok, pump)
+        try:
+            upstream, first = await _until_decode_done(prefill, opening)
+        except legs.LegError as err:
+            _abandon_stream(app, tid, prefill, opening)
+            if err.leg == "decode":
+                verdict.judge(err)
+            return err
+        except BaseException:
+            _abandon_stream(app, tid, prefill, opening)
+            raise
+        # From here the client has a 200: a later failure can only be reported in-stream.
+        out = web.StreamResponse(
+            status=upstream.status,
+            headers={
+                "Content-Type": upstream.headers.get("Content-Type", "text/event-stream"),
+                "Cache-Control": "no-cache",
+                "X-Request-Id": tid,
+            },
+        )
+        ok = False
+        pump: asyncio.Task[bool] | None = None
+        try:
+            await out.prepare(request)
+            pump = asyncio.create_task(
+                timed(metrics, d, sse.pump(upstream, out, "decode", cfg.timeout, first))
+            )
+            ok = await replies.relayed(app, out, tid, _until_decode_done(prefill, pump), verdict)
+        except ConnectionError:
+            log.info("transfer %s: client went away mid-stream", tid)
+        finally:
+            # An unfinished stream's connection is closed, not pooled: D sees the hang-up
+            # and aborts the request.
+            upstream.release() if ok else upstream.close()
+            _settle(app, tid, prefill, ok, pump)
+        verdict.ok = ok
     if ok:
-        await out.write_eof()
+        await replies.end(out)
     return out
 
 
-async def _serve_alone(
-    request: web.Request, path: str, raw: bytes, headers: dict[str, str], tid: str
-) -> web.StreamResponse:
-    """The request as the client sent it, to the decoder alone; its answer, whatever it is."""
-    app = request.app
-    cfg = app[CONFIG]
-    url = cfg.decode_url + path
+async def _open_first(
+    app: web.Application, url: str, dbody: dict[str, Any], headers: dict[str, str], check: bool
+) -> tuple[aiohttp.ClientResponse, bytes]:
+    """Open the decode stream and read its first chunk. With `check`, a stream that
+    begins with a server-side error event (vLLM's 5xx after its 200: say, no KV in time)
+    is a `LegError`, so the request can be sent again; without, it is relayed as is."""
+    timeout = app[CONFIG].timeout
+    upstream = await legs.open_stream(app[SESSION], "decode", url, dbody, headers, timeout)
     try:
-        upstream = await legs.open_stream(
-            app[SESSION], "decode", url, raw, headers, cfg.timeout, any_status=True
-        )
-    except legs.LegError as err:
-        return _leg_failed(app, err, tid)
-    ok = False
-    try:
-        ctype = upstream.headers.get("Content-Type", "application/json")
-        out_headers = {"Content-Type": ctype, "X-Request-Id": tid}
-        if not ctype.startswith("text/event-stream"):
-            try:
-                data = await _timed(
-                    app[METRICS], "decode", legs.read_all(upstream, "decode", cfg.timeout)
-                )
-            except legs.LegError as err:
-                return _leg_failed(app, err, tid)
-            ok = True
-            return web.Response(body=data, status=upstream.status, headers=out_headers)
-        out = web.StreamResponse(
-            status=upstream.status, headers={**out_headers, "Cache-Control": "no-cache"}
-        )
-        await out.prepare(request)
-        pump = _timed(app[METRICS], "decode", sse.pump(upstream, out, "decode", cfg.timeout))
-        ok = await _relayed(app, out, tid, pump)
-        if ok:
-            await out.write_eof()
-        return out
-    finally:
-        upstream.release() if ok else upstream.close()
-
-
-async def _relayed(
-    app: web.Application, out: web.StreamResponse, tid: str, relay: Awaitable[bool]
-) -> bool:
-    """Await a stream's relay to the client; True when it ended cleanly. A failed leg is
-    reported in-stream (the client already has its 200); a client gone is logged."""
-    try:
-        return await relay
-    except legs.LegError as err:
-        _count(app, err)
-        log.warning("transfer %s: failed mid-stream: %s", tid, err)
-        await sse.write_error(out, err.to_json(tid))
-    except ConnectionError:
-        log.info("transfer %s: client went away mid-stream", tid)
-    return False
+        first = await legs.read_chunk(upstream, "decode", timeout)
+        if not first:
+            raise legs.LegError("decode", "connection", "the stream ended before any event")
+        code = sse.error_code(first) if check else None
+        if code is not None and code >= 500:
+            detail = first[:500].decode("utf-8", errors="replace")
+            raise legs.LegError("decode", "upstream", f"stream began with {detail}", code)
+    except BaseException:
+        upstream.close()
+        raise
+    return upstream, first
 
 
 def _abandon_stream(
     app: web.Application,
     tid: str,
     prefill: asyncio.Task[Any],
-    opening: asyncio.Task[aiohttp.ClientResponse],
+    opening: asyncio.Task[tuple[aiohttp.ClientResponse, bytes]],
 ) -> None:
     # The decode stream may have opened just as the prefill leg failed: give its
     # connection back rather than leak it.
     if opening.done() and not opening.cancelled() and opening.exception() is None:
-        opening.result().release()
+        opening.result()[0].close()
     _settle(app, tid, prefill, False, opening)

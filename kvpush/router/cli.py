@@ -1,18 +1,19 @@
-"""`kvpush router`: run the router in front of one prefill and one decode server."""
+"""`kvpush router`: run the router in front of pools of prefill and decode servers."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 from typing import Any
+
+from kvpush.router.pool import InstanceSpec, Policy
+from kvpush.router.pool import parse_host_port as _parse_host_port
 
 
 def parse_host_port(value: str) -> tuple[str, int]:
     """'HOST:PORT' -> (host, port); argparse turns the ValueError into a usage error."""
-    host, sep, port = value.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"expected HOST:PORT, got {value!r}")
-    return host.strip("[]"), int(port)
+    return _parse_host_port(value)
 
 
 def _json_object(value: str) -> dict[str, Any]:
@@ -23,16 +24,29 @@ def _json_object(value: str) -> dict[str, Any]:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("router", help="OpenAI-compatible router for one prefill/decode pair")
-    p.add_argument("--prefill", required=True, help="base URL of the prefill server")
-    p.add_argument("--decode", required=True, help="base URL of the decode server")
+    p = sub.add_parser("router", help="OpenAI-compatible router over prefill and decode pools")
+    p.add_argument(
+        "--prefill", action="append", default=[], help="base URL of a prefill server (repeatable)"
+    )
+    p.add_argument(
+        "--decode", action="append", default=[], help="base URL of a decode server (repeatable)"
+    )
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument(
         "--prefill-side-channel",
         type=parse_host_port,
+        action="append",
+        default=[],
         metavar="HOST:PORT",
-        help="the prefiller's handshake side channel, sent to D as remote_host/remote_port",
+        help="a prefiller's handshake side channel, sent to D as remote_host/remote_port; "
+        "repeatable, the n-th for the n-th --prefill",
+    )
+    p.add_argument(
+        "--config",
+        metavar="FILE",
+        help='JSON pools {"prefill": [{"url", "side_channel", "drain"}], "decode": [...]}, '
+        "re-read when it changes and on SIGHUP (added to the instances given by flags)",
     )
     p.add_argument(
         "--timeout",
@@ -47,7 +61,44 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         metavar="JSON",
         help="extra kv_transfer_params for the decode leg (e.g. for the in-tree baseline)",
     )
+    p.add_argument("--retries", type=int, default=1, help="tries on another pair (default 1)")
+    p.add_argument("--health-interval", type=float, default=1.0, metavar="S")
+    p.add_argument("--health-timeout", type=float, default=5.0, metavar="S")
+    p.add_argument("--health-fails", type=int, default=2, metavar="N")
+    p.add_argument("--health-passes", type=int, default=2, metavar="N")
+    p.add_argument("--scrape-interval", type=float, default=1.0, metavar="S")
+    p.add_argument("--breaker-failures", type=int, default=3, metavar="N")
+    p.add_argument("--breaker-cooldown", type=float, default=5.0, metavar="S")
+    p.add_argument(
+        "--affinity-chars",
+        type=int,
+        default=256,
+        help="prompt characters hashed for prefill affinity (0: load only)",
+    )
+    p.add_argument(
+        "--admin-token",
+        default=os.environ.get("KVPUSH_ROUTER_ADMIN_TOKEN"),
+        help="bearer token /admin/* requires (default $KVPUSH_ROUTER_ADMIN_TOKEN; none: open)",
+    )
     p.set_defaults(func=run)
+
+
+def instances(args: argparse.Namespace) -> tuple[InstanceSpec, ...]:
+    """The instances given by flags; ValueError if the side channels do not pair up."""
+    sides = args.prefill_side_channel
+    if sides and len(sides) != len(args.prefill):
+        raise ValueError(
+            f"{len(sides)} --prefill-side-channel for {len(args.prefill)} --prefill: "
+            "give one per prefiller, in the same order"
+        )
+    out = [
+        InstanceSpec("prefill", url.rstrip("/"), sides[n] if sides else None)
+        for n, url in enumerate(args.prefill)
+    ]
+    out += [InstanceSpec("decode", url.rstrip("/")) for url in args.decode]
+    if not args.config and not (args.prefill and args.decode):
+        raise ValueError("give --prefill and --decode (each at least once), or --config")
+    return tuple(out)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -56,13 +107,32 @@ def run(args: argparse.Namespace) -> int:
 
     from kvpush.router.app import RouterConfig, make_app
 
-    config = RouterConfig(
-        prefill_url=args.prefill.rstrip("/"),
-        decode_url=args.decode.rstrip("/"),
-        timeout=args.timeout,
-        prefill_side_channel=args.prefill_side_channel,
-        decode_kv_extra=args.decode_kv_extra,
-    )
+    try:
+        given = instances(args)
+    except ValueError as exc:
+        raise SystemExit(f"kvpush router: {exc}") from None
+    try:
+        policy = Policy(
+            breaker_failures=args.breaker_failures,
+            breaker_cooldown=args.breaker_cooldown,
+            affinity_chars=args.affinity_chars,
+        )
+        config = RouterConfig(
+            timeout=args.timeout,
+            decode_kv_extra=args.decode_kv_extra,
+            instances=given,
+            config_path=args.config,
+            policy=policy,
+            health_interval=args.health_interval,
+            health_timeout=args.health_timeout,
+            health_fails=args.health_fails,
+            health_passes=args.health_passes,
+            scrape_interval=args.scrape_interval,
+            retries=args.retries,
+            admin_token=args.admin_token,
+        )
+    except ValueError as exc:
+        raise SystemExit(f"kvpush router: {exc}") from None
     # handler_cancellation: a client that hangs up cancels its handler, whose cleanup then
     # cancels both legs, so P and D abort the request instead of finishing it for nobody.
     web.run_app(

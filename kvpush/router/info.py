@@ -3,23 +3,34 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import aiohttp
 from aiohttp import web
 
 from kvpush.router import legs
-from kvpush.router.config import CONFIG, METRICS, SESSION
+from kvpush.router.config import CONFIG, METRICS, POOL, SESSION
 
 _HEALTH_TIMEOUT_S = 5.0
 
 
+def _decoder(app: web.Application) -> str | None:
+    """A decoder to ask about the model: an available one, else any."""
+    pool = app[POOL]
+    inst = pool.choose("decode") or next(iter(pool.instances["decode"].values()), None)
+    return inst.url if inst is not None else None
+
+
 async def models(request: web.Request) -> web.StreamResponse:
-    # Benchmark clients ask for the model name; D serves the same model as P.
+    # Benchmark clients ask for the model name; every instance serves the same model.
     app = request.app
-    cfg = app[CONFIG]
+    url = _decoder(app)
+    if url is None:
+        err = legs.LegError("decode", "connection", "no decode instance configured")
+        return web.json_response(err.to_json(""), status=503)
     try:
         async with asyncio.timeout(_HEALTH_TIMEOUT_S):
-            async with app[SESSION].get(cfg.decode_url + "/v1/models") as resp:
+            async with app[SESSION].get(url + "/v1/models") as resp:
                 data = await resp.read()
                 ctype = resp.headers.get("Content-Type", "application/json")
                 return web.Response(body=data, status=resp.status, headers={"Content-Type": ctype})
@@ -32,10 +43,12 @@ async def models(request: web.Request) -> web.StreamResponse:
 
 async def max_model_len(app: web.Application) -> int | None:
     """The decoder's max_model_len, from its /v1/models; None if it does not say."""
-    cfg = app[CONFIG]
+    url = _decoder(app)
+    if url is None:
+        return None
     try:
         async with asyncio.timeout(_HEALTH_TIMEOUT_S):
-            async with app[SESSION].get(cfg.decode_url + "/v1/models") as resp:
+            async with app[SESSION].get(url + "/v1/models") as resp:
                 if resp.status != 200:
                     return None
                 data = await resp.json()
@@ -49,20 +62,27 @@ async def max_model_len(app: web.Application) -> int | None:
 
 
 async def health(request: web.Request) -> web.Response:
+    """200 when at least one prefiller and one decoder answer their /health now and are
+    not drained; per role, every instance's probe and what the router knows of it."""
     app = request.app
-    cfg = app[CONFIG]
+    cfg, pool = app[CONFIG], app[POOL]
     timeout = min(cfg.timeout, _HEALTH_TIMEOUT_S)
-    prefill, decode = await asyncio.gather(
-        legs.probe_health(app[SESSION], cfg.prefill_url, timeout),
-        legs.probe_health(app[SESSION], cfg.decode_url, timeout),
+    instances = pool.all()
+    probes = await asyncio.gather(
+        *(legs.probe_health(app[SESSION], i.url, timeout) for i in instances)
     )
-    ok = prefill["ok"] and decode["ok"]
-    payload = {"status": "ok" if ok else "unavailable", "prefill": prefill, "decode": decode}
+    payload: dict[str, Any] = {}
+    for role in ("prefill", "decode"):
+        mine = [(i, r) for i, r in zip(instances, probes, strict=True) if i.role == role]
+        payload[role] = {
+            "ok": any(r["ok"] and not i.draining for i, r in mine),
+            "instances": [{**i.describe(), "probe": r} for i, r in mine],
+        }
+    ok = payload["prefill"]["ok"] and payload["decode"]["ok"]
+    payload["status"] = "ok" if ok else "unavailable"
     return web.json_response(payload, status=200 if ok else 503)
 
 
 async def metrics(request: web.Request) -> web.Response:
-    text = request.app[METRICS].render()
-    return web.Response(
-        body=text.encode(), headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"}
-    )
+    ctype = "text/plain; version=0.0.4; charset=utf-8"
+    return web.Response(body=request.app[METRICS].render(), headers={"Content-Type": ctype})

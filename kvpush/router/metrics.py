@@ -1,85 +1,163 @@
-"""Router counters, rendered in the Prometheus text format.
+"""Router metrics through prometheus_client, one registry per router application.
 
-Hand-rolled rather than prometheus_client: a handful of counters does not justify a
-dependency, and the router runs on a single event loop, so no locking is needed.
+The names of the single-pair router are kept: `kvpush_router_requests_total`,
+`errors_total`, `decoder_alone_total`, `in_flight`; `request_latency_seconds` and
+`leg_latency_seconds` were summaries (sum and count only) and are histograms now (their
+`_sum` and `_count` are unchanged, `_bucket` is new). Per instance: leg latency, leg
+failures, and the pools' state read at scrape time (`PoolCollector`).
 """
 
 from __future__ import annotations
 
-from collections import Counter, defaultdict
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import prometheus_client
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+
+# `_created` series double every counter's output and nobody reads them here.
+prometheus_client.disable_created_metrics()
 
 _PREFIX = "kvpush_router_"
-
-
-def _labels(**labels: str) -> str:
-    def esc(value: str) -> str:
-        return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-
-    return "{" + ",".join(f'{k}="{esc(v)}"' for k, v in sorted(labels.items())) + "}"
+# Client requests and legs run from milliseconds (a refusal) to minutes (long outputs).
+_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 
 class RouterMetrics:
-    """Requests, errors by leg and kind, in-flight requests, latency sums."""
+    """Requests, errors by leg and kind, in-flight requests, latencies; per instance."""
 
     def __init__(self) -> None:
-        self.requests: Counter[tuple[str, bool]] = Counter()  # (endpoint, stream)
-        self.errors: Counter[tuple[str, str]] = Counter()  # (leg, kind)
-        self.alone: Counter[str] = Counter()  # requests sent to the decoder alone, by reason
-        self.in_flight = 0
-        self.latency_sum: defaultdict[str, float] = defaultdict(float)  # by endpoint
-        self.latency_count: Counter[str] = Counter()
-        self.leg_latency_sum: defaultdict[str, float] = defaultdict(float)  # by leg
-        self.leg_latency_count: Counter[str] = Counter()
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self._requests = Counter(
+            _PREFIX + "requests_total",
+            "Client requests received.",
+            ["endpoint", "stream"],
+            registry=r,
+        )
+        self._errors = Counter(
+            _PREFIX + "errors_total",
+            "Failed legs by leg and kind (refused: HTTP 4xx).",
+            ["kind", "leg"],
+            registry=r,
+        )
+        self._alone = Counter(
+            _PREFIX + "decoder_alone_total",
+            "Requests served by the decoder alone, by reason.",
+            ["reason"],
+            registry=r,
+        )
+        self._in_flight = Gauge(_PREFIX + "in_flight", "Client requests being served.", registry=r)
+        self._latency = Histogram(
+            _PREFIX + "request_latency_seconds",
+            "Client request latency.",
+            ["endpoint"],
+            buckets=_BUCKETS,
+            registry=r,
+        )
+        self._leg_latency = Histogram(
+            _PREFIX + "leg_latency_seconds",
+            "Upstream leg latency (completed legs).",
+            ["leg"],
+            buckets=_BUCKETS,
+            registry=r,
+        )
+        self._instance_latency = Histogram(
+            _PREFIX + "instance_leg_latency_seconds",
+            "Upstream leg latency per instance (completed legs).",
+            ["role", "instance"],
+            buckets=_BUCKETS,
+            registry=r,
+        )
+        self._instance_failures = Counter(
+            _PREFIX + "instance_failures_total",
+            "Failed legs per instance (connection, upstream 5xx, timeout; not refusals).",
+            ["role", "instance", "kind"],
+            registry=r,
+        )
+        self._retries = Counter(
+            _PREFIX + "retries_total",
+            "Requests sent again on another pair after a leg failed before the client "
+            "got a byte, by the failed leg.",
+            ["leg"],
+            registry=r,
+        )
+        self._unavailable = Counter(
+            _PREFIX + "no_instance_total",
+            "Requests answered 503 because no instance of a role was available.",
+            ["role"],
+            registry=r,
+        )
 
     def request_started(self, endpoint: str, stream: bool) -> None:
-        self.requests[(endpoint, stream)] += 1
-        self.in_flight += 1
+        self._requests.labels(endpoint, str(stream).lower()).inc()
+        self._in_flight.inc()
 
     def request_finished(self, endpoint: str, seconds: float) -> None:
-        self.in_flight -= 1
-        self.latency_sum[endpoint] += seconds
-        self.latency_count[endpoint] += 1
+        self._in_flight.dec()
+        self._latency.labels(endpoint).observe(seconds)
 
-    def leg_finished(self, leg: str, seconds: float) -> None:
-        self.leg_latency_sum[leg] += seconds
-        self.leg_latency_count[leg] += 1
+    def leg_finished(self, leg: str, seconds: float, instance: str = "") -> None:
+        self._leg_latency.labels(leg).observe(seconds)
+        if instance:
+            self._instance_latency.labels(leg, instance).observe(seconds)
 
     def decoder_alone(self, reason: str) -> None:
-        self.alone[reason] += 1
+        self._alone.labels(reason).inc()
 
     def error(self, leg: str, kind: str) -> None:
-        self.errors[(leg, kind)] += 1
+        self._errors.labels(kind, leg).inc()
 
-    def render(self) -> str:
-        lines: list[str] = []
+    def instance_failed(self, role: str, instance: str, kind: str) -> None:
+        self._instance_failures.labels(role, instance, kind).inc()
 
-        def family(name: str, kind: str, help_text: str) -> str:
-            full = _PREFIX + name
-            lines.append(f"# HELP {full} {help_text}")
-            lines.append(f"# TYPE {full} {kind}")
-            return full
+    def retried(self, leg: str) -> None:
+        self._retries.labels(leg).inc()
 
-        name = family("requests_total", "counter", "Client requests received.")
-        for (endpoint, stream), n in sorted(self.requests.items()):
-            lines.append(f"{name}{_labels(endpoint=endpoint, stream=str(stream).lower())} {n}")
-        name = family("errors_total", "counter", "Failed legs by leg and kind (refused: HTTP 4xx).")
-        for (leg, kind), n in sorted(self.errors.items()):
-            lines.append(f"{name}{_labels(leg=leg, kind=kind)} {n}")
-        name = family(
-            "decoder_alone_total", "counter", "Requests served by the decoder alone, by reason."
+    def unavailable(self, role: str) -> None:
+        self._unavailable.labels(role).inc()
+
+    def watch(self, describe: Callable[[], list[dict[str, Any]]]) -> None:
+        """Report the pools' state, as `describe()` gives it, at every scrape."""
+        self.registry.register(PoolCollector(describe))
+
+    def render(self) -> bytes:
+        return prometheus_client.generate_latest(self.registry)
+
+
+class PoolCollector:
+    """Gauges per instance, read from the pools when /metrics is scraped."""
+
+    _GAUGES = (
+        ("instance_available", "1 when the instance gets new requests.", "available"),
+        ("instance_healthy", "1 when its last /health probes passed.", "healthy"),
+        ("instance_draining", "1 while it is drained (no new requests).", "draining"),
+        ("instance_in_flight", "The router's legs in flight on it.", "in_flight"),
+        ("instance_running", "Its vllm:num_requests_running, last scrape.", "running"),
+        ("instance_waiting", "Its vllm:num_requests_waiting, last scrape.", "waiting"),
+        ("instance_kv_usage", "Its vllm:kv_cache_usage_perc, last scrape.", "kv_usage"),
+    )
+
+    def __init__(self, describe: Callable[[], list[dict[str, Any]]]) -> None:
+        self._describe = describe
+
+    def describe(self) -> list[Any]:
+        return []  # the families depend on the pools at scrape time
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        instances = self._describe()
+        for name, help_text, key in self._GAUGES:
+            family = GaugeMetricFamily(_PREFIX + name, help_text, labels=["role", "instance"])
+            for inst in instances:
+                family.add_metric([inst["role"], inst["url"]], float(inst[key]))
+            yield family
+        family = GaugeMetricFamily(
+            _PREFIX + "instance_breaker_open",
+            "1 while its circuit breaker is open, 0.5 half-open, 0 closed.",
+            labels=["role", "instance"],
         )
-        for reason, n in sorted(self.alone.items()):
-            lines.append(f"{name}{_labels(reason=reason)} {n}")
-        name = family("in_flight", "gauge", "Client requests being served.")
-        lines.append(f"{name} {self.in_flight}")
-        name = family("request_latency_seconds", "summary", "Client request latency.")
-        for endpoint in sorted(self.latency_count):
-            lbl = _labels(endpoint=endpoint)
-            lines.append(f"{name}_sum{lbl} {self.latency_sum[endpoint]:.6f}")
-            lines.append(f"{name}_count{lbl} {self.latency_count[endpoint]}")
-        name = family("leg_latency_seconds", "summary", "Upstream leg latency (completed legs).")
-        for leg in sorted(self.leg_latency_count):
-            lbl = _labels(leg=leg)
-            lines.append(f"{name}_sum{lbl} {self.leg_latency_sum[leg]:.6f}")
-            lines.append(f"{name}_count{lbl} {self.leg_latency_count[leg]}")
-        return "\n".join(lines) + "\n"
+        level = {"closed": 0.0, "half_open": 0.5, "open": 1.0}
+        for inst in instances:
+            family.add_metric([inst["role"], inst["url"]], level[inst["breaker"]])
+        yield family

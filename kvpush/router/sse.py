@@ -24,18 +24,35 @@ def error_event(payload: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(payload).encode() + b"\n\ndata: [DONE]\n\n"
 
 
+def error_code(chunk: bytes) -> int | None:
+    """The code of an error event that begins `chunk` (vLLM writes `data: {"error": …}`
+    for a failure after its 200), else None."""
+    text = chunk.lstrip()
+    if not text.startswith(b'data: {"error"'):
+        return None
+    try:
+        payload = json.loads(text[6:].split(b"\n", 1)[0])
+        code = payload["error"].get("code")
+    except (ValueError, KeyError, AttributeError, TypeError):
+        return 500
+    return code if isinstance(code, int) else 500
+
+
 async def pump(
     upstream: aiohttp.ClientResponse,
     out: web.StreamResponse,
     leg: legs.LegName,
     timeout: float,
+    first: bytes = b"",
 ) -> bool:
-    """Copy the stream piece by piece as it arrives; True once it ended with [DONE].
+    """Copy the stream piece by piece as it arrives (starting with `first`, already
+    read); True once it ended with [DONE].
 
     Raises `LegError` when the upstream stalls, breaks, or ends without [DONE]."""
     tail = b""
     while True:
-        chunk = await legs.read_chunk(upstream, leg, timeout)
+        chunk = first or await legs.read_chunk(upstream, leg, timeout)
+        first = b""
         if not chunk:
             if tail.rstrip().endswith(DONE):
                 return True

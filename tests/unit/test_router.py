@@ -351,7 +351,8 @@ def test_health_and_metrics() -> None:
         async with running(stub(ok_prefill, health=500), stub(ok_prefill)) as (url, cl):
             async with cl.get(url + "/health") as resp:
                 assert resp.status == 503
-                assert (await resp.json())["prefill"]["status"] == 500
+                probe = (await resp.json())["prefill"]["instances"][0]["probe"]
+                assert probe["status"] == 500
 
     asyncio.run(main())
 

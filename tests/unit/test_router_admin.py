@@ -1,0 +1,104 @@
+"""The router's pools changed without a restart (config file, admin endpoints) and its
+settings checked; over real HTTP, against the fake upstreams of test_router_pools."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from kvpush.router import RouterConfig, cli, make_app
+from kvpush.router.pool import InstanceSpec
+from tests.unit.test_router import serve
+from tests.unit.test_router_pools import FAST, Fake, complete, instances, until
+
+
+def test_config_file_reload_and_admin_input_checks(tmp_path: Path) -> None:
+    async def main() -> None:
+        prefilled: dict[str, asyncio.Event] = {}
+        p = await Fake("p0", "prefill", prefilled).start()
+        d0 = await Fake("d0", "decode", prefilled).start()
+        d1 = await Fake("d1", "decode", prefilled).start()
+        path = tmp_path / "pools.json"
+        path.write_text(json.dumps({"prefill": [p.url], "decode": [{"url": d0.url}]}))
+        cfg = RouterConfig(config_path=str(path), admin_token="s3cret", **FAST)
+        router, url = await serve(make_app(cfg), handler_cancellation=True)
+        auth = {"Authorization": "Bearer s3cret"}
+        try:
+            async with aiohttp.ClientSession(headers=auth) as cl:
+                assert set(await instances(cl, url)) == {p.url, d0.url}
+                assert (await complete(cl, url))[1]["choices"][0]["text"] == "d0"
+                # d0 drained and d1 added by editing the file: picked up without a restart.
+                path.write_text(
+                    json.dumps(
+                        {
+                            "prefill": [p.url],
+                            "decode": [{"url": d0.url, "drain": True}, {"url": d1.url}],
+                        }
+                    )
+                )
+
+                async def reloaded() -> bool:
+                    return d1.url in await instances(cl, url)
+
+                await until(reloaded, "the file re-read")
+                assert (await instances(cl, url))[d0.url]["draining"] is True
+                assert (await complete(cl, url))[1]["choices"][0]["text"] == "d1"
+                # A bad file changes nothing.
+                path.write_text('{"decode": [{"url": "ftp://x"}]}')
+                async with cl.post(url + "/admin/reload") as resp:
+                    assert resp.status == 400 and "url" in (await resp.json())["error"]["message"]
+                assert set(await instances(cl, url)) == {p.url, d0.url, d1.url}
+                for bad in (b"{nope", b"[]", b'{"role": "x", "url": "http://a"}'):
+                    async with cl.post(url + "/admin/instances", data=bad) as resp:
+                        assert resp.status == 400, bad
+                body = {"role": "decode", "url": "http://a:1", "extra": 1}
+                async with cl.post(url + "/admin/instances", json=body) as resp:
+                    assert resp.status == 400
+                async with cl.post(url + "/admin/drain", json={"role": "decode", "url": "x"}) as r:
+                    assert r.status == 404
+                assert set(await instances(cl, url)) == {p.url, d0.url, d1.url}
+            async with aiohttp.ClientSession() as anon:
+                async with anon.get(url + "/admin/instances") as resp:
+                    assert resp.status == 401
+                async with anon.get(url + "/metrics") as resp:
+                    text = await resp.text()
+            assert "kvpush_router_request_latency_seconds_bucket" in text
+            assert f'instance="{d1.url}"' in text
+        finally:
+            await router.cleanup()
+            for fake in (p, d0, d1):
+                assert fake.runner is not None
+                await fake.runner.cleanup()
+
+    asyncio.run(main())
+
+
+def test_flags_and_settings_are_checked() -> None:
+    parser = argparse.ArgumentParser()
+    cli.add_parser(parser.add_subparsers())
+    args = parser.parse_args(
+        "router --port 1 --prefill http://a:1/ --prefill-side-channel a:5 "
+        "--prefill http://b:1 --prefill-side-channel b:5 --decode http://c:1".split()
+    )
+    assert cli.instances(args) == (
+        InstanceSpec("prefill", "http://a:1", ("a", 5)),
+        InstanceSpec("prefill", "http://b:1", ("b", 5)),
+        InstanceSpec("decode", "http://c:1"),
+    )
+    for bad in (
+        "router --port 1 --prefill http://a --prefill http://b --prefill-side-channel a:5 "
+        "--decode http://c",
+        "router --port 1 --prefill http://a",
+    ):
+        with pytest.raises(ValueError):
+            cli.instances(parser.parse_args(bad.split()))
+    for settings in ({"retries": -1}, {"health_interval": 0}, {"health_passes": 0}):
+        with pytest.raises(ValueError):
+            RouterConfig("http://a", "http://b", **settings)
+    with pytest.raises(ValueError):
+        make_app(RouterConfig())
