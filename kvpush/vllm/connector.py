@@ -102,8 +102,10 @@ class KVPushConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         assert self.worker_side is not None
         meta = self._get_connector_metadata()
-        ours = isinstance(meta, KVPushMeta)
-        self.worker_side.start_step(meta.step if ours else None, idle=ours and meta.idle)
+        if isinstance(meta, KVPushMeta):
+            self.worker_side.start_step(meta.step, idle=meta.idle)
+        else:
+            self.worker_side.start_step(None)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None  # KV arrives whole before the request is scheduled
