@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Create .venv at the repository root (if missing) and install kvpush with vLLM (CPU) into it.
-# Usage: scripts/bootstrap.sh [--test]   (--test adds pytest, hypothesis, ruff, mypy)
+# Usage: scripts/bootstrap.sh [--test]   (--test adds pytest, hypothesis, ruff, mypy, vllm-router)
 # Idempotent: a second run only re-checks what is installed.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)

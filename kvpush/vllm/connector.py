@@ -40,6 +40,7 @@ class KVPushMeta(KVConnectorMetadata):  # type: ignore[misc]
     """Scheduler -> workers, once per step (pickled)."""
 
     step: StepMeta = field(default_factory=StepMeta)
+    idle: bool = False  # the step schedules no tokens (vLLM steps only to let us poll)
 
 
 @dataclass
@@ -101,7 +102,10 @@ class KVPushConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         assert self.worker_side is not None
         meta = self._get_connector_metadata()
-        self.worker_side.start_step(meta.step if isinstance(meta, KVPushMeta) else None)
+        if isinstance(meta, KVPushMeta):
+            self.worker_side.start_step(meta.step, idle=meta.idle)
+        else:
+            self.worker_side.start_step(None)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None  # KV arrives whole before the request is scheduled
@@ -162,7 +166,8 @@ class KVPushConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def build_connector_meta(self, scheduler_output: Any) -> KVPushMeta:
         assert self.sched_side is not None
-        return KVPushMeta(step=self.sched_side.build_meta(scheduler_output))
+        idle = getattr(scheduler_output, "total_num_scheduled_tokens", None) == 0
+        return KVPushMeta(step=self.sched_side.build_meta(scheduler_output), idle=idle)
 
     def update_connector_output(self, connector_output: Any) -> None:
         assert self.sched_side is not None

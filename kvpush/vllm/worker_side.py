@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -41,6 +42,14 @@ COUNTERS: dict[str, tuple[str, ...]] = {
 }
 # Latency observations (seconds), drained from the worker at every report.
 HISTOGRAMS = ("push_seconds", "kv_wait_seconds")
+# vLLM keeps stepping while a push is pending (has_pending_push_work), with empty steps
+# when nothing else runs. Flat out, those take a whole core, and two engines doing it on
+# one core can starve each other for good: behind vllm-router, a D awaiting the KV kept a
+# P on its core from reading D's registration until P's lease ran out (30 s). Empty steps
+# poll flat out for IDLE_SPIN_S (most pushes end well within it), then each sleeps
+# IDLE_SLEEP_S, which lets whatever shares the core run.
+IDLE_SPIN_S = 0.005
+IDLE_SLEEP_S = 0.0005
 
 
 @dataclass
@@ -120,6 +129,8 @@ class WorkerSide:
         self._meta = StepReport()
         self._early: list[StagedBlocks] = []  # this step's early hand-overs (StepMeta.early)
         self._cuda = False  # KV in GPU memory: early hand-overs carry an event
+        self._idle = False  # this step schedules no tokens (KVPushMeta.idle)
+        self._idle_since: float | None = None  # first of the empty steps in a row
 
     def register(
         self, kv_caches: dict[str, Any], num_blocks: int, block_size: int, mla: bool = False
@@ -159,7 +170,8 @@ class WorkerSide:
             "on" if hook is not None else "off",
         )
 
-    def start_step(self, meta: StepMeta | None) -> None:
+    def start_step(self, meta: StepMeta | None, idle: bool = False) -> None:
+        self._idle = idle
         if self.worker is not None and meta is not None:
             if self._early:  # the last step never reached wait_for_save: its forward is queued
                 self.hand_over()
@@ -188,9 +200,14 @@ class WorkerSide:
         """This step's finished ids; also stashes what goes back as worker metadata."""
         if self.worker is None:
             return StepReport()
+        if self._idle:
+            self._pause()
+        else:
+            self._idle_since = None
         out = self.worker.get_finished()
         if not out:  # most steps: nothing to report
             return StepReport()
+        self._idle_since = None  # something ended: poll flat out again
         if trace.ON:
             for rid in out.finished_recving:
                 trace.mark("d_worker.report", None, rid)
@@ -205,6 +222,14 @@ class WorkerSide:
         self._meta.released |= out.released
         self._meta.renewed |= out.renewed
         return report
+
+    def _pause(self) -> None:
+        """An empty step: give the core away once such steps went on for IDLE_SPIN_S."""
+        now = time.monotonic()
+        if self._idle_since is None:
+            self._idle_since = now
+        elif now - self._idle_since >= IDLE_SPIN_S:
+            time.sleep(IDLE_SLEEP_S)
 
     def take_meta(self) -> StepReport | None:
         meta = self._meta

@@ -221,3 +221,63 @@ def test_worker_side_hands_over_at_the_forward_end_or_at_the_latest_at_the_next_
     side.start_step(StepMeta())  # ... but it never came: handed over now, once
     side.hand_over()
     assert handed == [["r1"], ["r2"]]
+
+
+def test_empty_steps_give_the_core_away_after_a_short_spin(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM steps flat out while a push is pending; past IDLE_SPIN_S of empty steps each
+    one sleeps (behind vllm-router a spinning D kept P off their shared core for 30 s)."""
+    from kvpush.core.types import StepMeta, WorkerOutput
+    from kvpush.vllm import worker_side
+    from kvpush.vllm.worker_side import IDLE_SLEEP_S, IDLE_SPIN_S, WorkerSide
+
+    now = [100.0]
+    slept: list[float] = []
+    monkeypatch.setattr(worker_side.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(worker_side.time, "sleep", slept.append)
+    results = [WorkerOutput()]
+
+    class FakeWorker:
+        def start_step(self, meta: StepMeta) -> None:
+            pass
+
+        def get_finished(self) -> WorkerOutput:
+            return results.pop() if results else WorkerOutput()
+
+    side = WorkerSide("D", ConnectorOptions.parse({}, env={}), 0, 1)
+    side.worker = FakeWorker()  # type: ignore[assignment]
+
+    def step(idle: bool, dt: float = 0.001) -> None:
+        now[0] += dt
+        side.start_step(StepMeta(), idle=idle)
+        side.collect()
+
+    for _ in range(4):  # the first IDLE_SPIN_S of empty steps: flat out
+        step(idle=True)
+    assert slept == []
+    step(idle=True, dt=2 * IDLE_SPIN_S)
+    step(idle=True)
+    assert slept == [IDLE_SLEEP_S, IDLE_SLEEP_S]
+    step(idle=False, dt=2 * IDLE_SPIN_S)  # a step with a forward never sleeps, and resets
+    step(idle=True)
+    assert slept == [IDLE_SLEEP_S, IDLE_SLEEP_S]
+    step(idle=True, dt=2 * IDLE_SPIN_S)
+    assert len(slept) == 3
+    results.append(WorkerOutput(finished_recving={"r1"}))  # a push ended: flat out again
+    step(idle=True)
+    assert len(slept) == 4  # (this step's pause came before it learnt of r1)
+    step(idle=True, dt=IDLE_SPIN_S / 2)
+    step(idle=True, dt=IDLE_SPIN_S / 4)
+    assert len(slept) == 4
+
+
+def test_connector_meta_marks_steps_without_tokens() -> None:
+    from types import SimpleNamespace
+
+    from kvpush.vllm.connector import KVPushConnector
+
+    conn = object.__new__(KVPushConnector)
+    conn.sched_side = SchedulerSide("P", ConnectorOptions.parse({}, env={}), True, False, 1)
+    empty = SimpleNamespace(total_num_scheduled_tokens=0, scheduled_new_reqs=[])
+    busy = SimpleNamespace(total_num_scheduled_tokens=7, scheduled_new_reqs=[])
+    assert conn.build_connector_meta(empty).idle
+    assert not conn.build_connector_meta(busy).idle
