@@ -8,8 +8,9 @@
   requests; those in flight finish; its ``in_flight`` shows when it is idle) or undo it;
 - ``POST /admin/reload``: re-read the config file now.
 
-With ``--admin-token`` set they require ``Authorization: Bearer <token>``. Bad input gets
-HTTP 400 with the reason and changes nothing.
+With ``--admin-token`` set they require ``Authorization: Bearer <token>``; without one they
+answer only clients on this host (loopback): whoever can change the pools can send every
+prompt to a server of their own. Bad input gets HTTP 400 with the reason and changes nothing.
 """
 
 from __future__ import annotations
@@ -40,9 +41,19 @@ class _Bad(Exception):
     pass
 
 
-def _authorised(request: web.Request) -> bool:
+_LOOPBACK = ("127.", "::1", "::ffff:127.")
+
+
+def refusal(request: web.Request) -> web.Response | None:
+    """Why this admin request may not go on (401 / 403), or None when it may."""
     token = request.app[CONFIG].admin_token
-    return token is None or request.headers.get("Authorization") == f"Bearer {token}"
+    if token is not None:
+        if request.headers.get("Authorization") == f"Bearer {token}":
+            return None
+        return _error(401, "admin endpoints need Authorization: Bearer <admin token>")
+    if (request.remote or "").startswith(_LOOPBACK):
+        return None
+    return _error(403, "without --admin-token the admin endpoints answer only loopback clients")
 
 
 async def _body(request: web.Request) -> dict[str, Any]:
@@ -67,8 +78,9 @@ def _listing(request: web.Request) -> web.Response:
 
 
 async def _guarded(request: web.Request, action: Any) -> web.Response:
-    if not _authorised(request):
-        return _error(401, "admin endpoints need Authorization: Bearer <admin token>")
+    refused = refusal(request)
+    if refused is not None:
+        return refused
     try:
         return await action(request)  # type: ignore[no-any-return]
     except _Bad as exc:

@@ -196,9 +196,7 @@ async def _attempt(
     dbody = bodies.decode_body(body, tid, p.spec.side_channel, cfg.decode_kv_extra)
     log.debug("transfer %s: legs started on %s and %s (stream=%s)", tid, p.url, d.url, stream)
     if stream:
-        return await _serve_stream(
-            request, path, dbody, dict(headers), prefill, tid, d, retry_ok
-        )
+        return await _serve_stream(request, path, dbody, dict(headers), prefill, tid, d, retry_ok)
     return await _serve_unary(request, path, dbody, dict(headers), prefill, tid, d)
 
 
@@ -319,9 +317,7 @@ async def _serve_stream(
     app = request.app
     cfg, metrics = app[CONFIG], app[METRICS]
     with using(metrics, d) as verdict:
-        opening = asyncio.create_task(
-            _open_first(app, d.url + path, dbody, headers, retry_ok)
-        )
+        opening = asyncio.create_task(_open_first(app, d.url + path, dbody, headers, retry_ok))
         try:
             upstream, first = await _until_decode_done(prefill, opening)
         except legs.LegError as err:

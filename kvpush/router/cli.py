@@ -78,7 +78,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--admin-token",
         default=os.environ.get("KVPUSH_ROUTER_ADMIN_TOKEN"),
-        help="bearer token /admin/* requires (default $KVPUSH_ROUTER_ADMIN_TOKEN; none: open)",
+        help="bearer token /admin/* requires (default $KVPUSH_ROUTER_ADMIN_TOKEN; "
+        "none: loopback clients only)",
     )
     p.set_defaults(func=run)
 

@@ -182,9 +182,7 @@ class Pool:
 
     def spare(self, role: Role, exclude: set[str]) -> bool:
         """Whether an instance of `role` outside `exclude` could take a retry."""
-        return any(
-            not i.draining and i.url not in exclude for i in self.instances[role].values()
-        )
+        return any(not i.draining and i.url not in exclude for i in self.instances[role].values())
 
     def choose(
         self, role: Role, key: bytes | None = None, exclude: frozenset[str] = frozenset()

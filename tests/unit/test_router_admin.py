@@ -7,11 +7,13 @@ import argparse
 import asyncio
 import json
 from pathlib import Path
+from unittest import mock
 
 import aiohttp
 import pytest
+from aiohttp.test_utils import make_mocked_request
 
-from kvpush.router import RouterConfig, cli, make_app
+from kvpush.router import RouterConfig, admin, cli, make_app
 from kvpush.router.pool import InstanceSpec
 from tests.unit.test_router import serve
 from tests.unit.test_router_pools import FAST, Fake, complete, instances, until
@@ -102,3 +104,30 @@ def test_flags_and_settings_are_checked() -> None:
             RouterConfig("http://a", "http://b", **settings)
     with pytest.raises(ValueError):
         make_app(RouterConfig())
+
+
+@pytest.mark.parametrize(
+    ("token", "remote", "auth", "status"),
+    [
+        (None, "127.0.0.1", None, None),
+        (None, "::1", None, None),
+        (None, "10.0.0.7", None, 403),  # no token: loopback only
+        ("s3cret", "10.0.0.7", "Bearer s3cret", None),
+        ("s3cret", "127.0.0.1", None, 401),  # a token set binds loopback too
+        ("s3cret", "10.0.0.7", "Bearer nope", 401),
+    ],
+)
+def test_admin_refusals(
+    token: str | None, remote: str, auth: str | None, status: int | None
+) -> None:
+    app = make_app(
+        RouterConfig(prefill_url="http://p:1", decode_url="http://d:1", admin_token=token)
+    )
+    transport = mock.Mock()
+    transport.get_extra_info.side_effect = lambda k, d=None: (remote, 5) if k == "peername" else d
+    headers = {"Authorization": auth} if auth else {}
+    req = make_mocked_request(
+        "GET", "/admin/instances", headers=headers, app=app, transport=transport
+    )
+    got = admin.refusal(req)
+    assert (got.status if got is not None else None) == status
