@@ -17,14 +17,16 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from kvpush.deploy.demo import Cluster
-from kvpush.deploy.servers import ServerSpec, VllmServer, metric, wait_healthy
+from kvpush.deploy.servers import RouterProc, ServerSpec, VllmServer, metric, wait_healthy
 from kvpush.tiny_model import make_tiny_model
 from tests.conftest import wait_until
+from tests.e2e.cut_link import CutLink
 from tests.e2e.router_cases import CASES, COMPLETIONS, PROMPT, Case, ids
 
 pytestmark = pytest.mark.e2e
@@ -210,24 +212,34 @@ def _wait_idle(c: Cluster, what: str, timeout: float = 10.0) -> None:
         time.sleep(0.2)
 
 
-def test_stream_cut_by_a_dead_decoder_ends_with_an_error_event(env: dict[str, Any]) -> None:
+def test_stream_cut_by_a_dead_decoder_ends_with_an_error_event(
+    env: dict[str, Any], tmp_path: Path
+) -> None:
     """Last: it kills D. The client sees the tokens so far, an OpenAI-style error event,
-    then [DONE]; never a clean-looking end."""
+    then [DONE]; never a clean-looking end. A second router reaches D through a link that
+    holds D's stream after its first event, so D cannot finish before it dies."""
     c: Cluster = env["cluster"]
+    link = CutLink(int(c.d.url.rsplit(":", 1)[1]))
+    router = RouterProc(c.p.url, link.url, f"127.0.0.1:{c.side_port}", str(tmp_path))
     body = {"model": env["model"], "prompt": PROMPT, "max_tokens": 450, "ignore_eos": True}
     body.update(stream=True, temperature=0)
-    req = urllib.request.Request(
-        c.router.url + COMPLETIONS, json.dumps(body).encode(), {"Content-Type": "application/json"}
-    )
     events = []
-    with urllib.request.urlopen(req, timeout=60) as resp:
-        # The router answered 200: D's stream is open. Freeze D now, before the client
-        # reads anything (a fast D can finish 450 tokens before a first read returns).
-        c.d.send(signal.SIGSTOP)
-        c.d.kill()
-        for line in resp:
-            if line.startswith(b"data:"):
-                events.append(line[5:].strip())
-    assert events[-1] == b"[DONE]"
-    error = json.loads(events[-2])["error"]
+    try:
+        wait_healthy([router])
+        headers = {"Content-Type": "application/json"}
+        req = urllib.request.Request(router.url + COMPLETIONS, json.dumps(body).encode(), headers)
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            assert link.holding.wait(30), "D's first event never went through the link"
+            c.d.kill()
+            link.cut()
+            for line in resp:
+                if line.startswith(b"data:"):
+                    events.append(line[5:].strip())
+    finally:
+        router.stop()
+        link.close()
+    assert len(events) == 3, events  # D's first event, the router's error, [DONE]
+    assert "choices" in json.loads(events[0])
+    error = json.loads(events[1])["error"]
     assert error["leg"] == "decode" and error["code"] == 502, error
+    assert events[2] == b"[DONE]"

@@ -118,6 +118,7 @@ def test_killed_prefiller_and_drained_decoder_mid_run(env: dict[str, Any]) -> No
     by_p = prompts_for(c, 8)
     # Half of the prompts belong to the prefiller that dies.
     mixed = [q for pair in zip(*by_p.values(), strict=True) for q in pair]
+
     def received() -> float:
         return sum(metric(d.url, RECEIVED) for d in c.ds)
 
