@@ -10,14 +10,11 @@ import sys
 # Each module exposes add_parser(subparsers); the parser it adds sets `func`.
 # Modules are imported lazily so that a missing optional extra (vLLM) only
 # breaks the command that needs it.
+# The harness (synthetic demo, faults, soak, fuzz, bench) is `python -m kvpush_bench`.
 _COMMANDS = [
-    "kvpush.sim.demo_cli",
+    "kvpush.deploy.demo_cli",
     "kvpush.tiny_model",
     "kvpush.router.cli",
-    "kvpush.sim.faults_cli",
-    "kvpush.sim.soak_cli",
-    "kvpush.sim.fuzz_cli",
-    "kvpush.bench.cli",
 ]
 
 

@@ -3,7 +3,7 @@
 P and D run as processes on the test hosts of tests/e2e/hosts.py (each in its own
 network namespace with a private /dev/shm), UCX restricted to TCP on the link, each with
 a raw NIXL agent and a kvpush worker on the same registered buffer of 64 KiB blocks
-(kvpush/bench/transport.py's sides). In each round, per case, one raw WRITE (a
+(kvpush_bench/transport.py's sides). In each round, per case, one raw WRITE (a
 descriptor per block, with a notification, P busy-polling it) and one kvpush push per P
 writer (``kvpush``: inline, progressed by P's engine steps every 1 ms as vLLM's loop;
 ``kvpush_thread``: the writer thread; D registered first; timed from P's engine handing
@@ -34,13 +34,13 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvpush.bench import transport  # noqa: E402
-from kvpush.bench.stats import summary  # noqa: E402
 from kvpush.deploy.servers import free_port  # noqa: E402
+from kvpush_bench import transport  # noqa: E402
+from kvpush_bench.stats import summary  # noqa: E402
 from tests.e2e.hosts import Host, HostPair  # noqa: E402
 
 MIB = 1 << 20
-KV_MODES = ("kvpush", "kvpush_thread")  # names as in kvpush/bench/transport.py
+KV_MODES = ("kvpush", "kvpush_thread")  # names as in kvpush_bench/transport.py
 MODES = ("raw", *KV_MODES)
 
 

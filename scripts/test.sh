@@ -4,6 +4,6 @@ set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 scripts/bootstrap.sh --test
-.venv/bin/ruff check kvpush tests
+.venv/bin/ruff check kvpush kvpush_bench tests
 .venv/bin/mypy
 exec .venv/bin/python -m pytest -q "$@"

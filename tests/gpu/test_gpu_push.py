@@ -15,8 +15,8 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("nixl")
 
-from kvpush.gpu.engine import GpuSpec  # noqa: E402
-from kvpush.gpu.process import GpuProcess  # noqa: E402
+from kvpush_bench.gpu.engine import GpuSpec  # noqa: E402
+from kvpush_bench.gpu.process import GpuProcess  # noqa: E402
 from tests.conftest import free_port  # noqa: E402
 
 pytestmark = pytest.mark.integration

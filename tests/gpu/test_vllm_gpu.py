@@ -26,10 +26,10 @@ if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 pytest.importorskip("vllm")
 
-from kvpush.bench.pairs import make_pair  # noqa: E402
 from kvpush.deploy.client import Reply, request  # noqa: E402
 from kvpush.deploy.servers import metric  # noqa: E402
 from kvpush.tiny_model import make_tiny_model  # noqa: E402
+from kvpush_bench.pairs import make_pair  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 

@@ -24,8 +24,8 @@ import pytest
 
 from kvpush.core import wire
 from kvpush.core.handshake import AgentInfo, fetch_agent_info
-from kvpush.sim.engine import SimSpec
-from kvpush.sim.process import EngineProcess
+from kvpush_bench.sim.engine import SimSpec
+from kvpush_bench.sim.process import EngineProcess
 from tests.conftest import free_port, illegal_moves, wait_until
 from tests.unit.test_handshake import Raw
 
@@ -60,7 +60,7 @@ def _serve_exporter(conn: Connection, port: int, exported: bytes) -> None:
     from kvpush.core.nixl_transport import NixlTransport
     from kvpush.core.types import WorkerConfig
     from kvpush.core.worker import PushWorker, make_agent_name
-    from kvpush.sim.ranks import RankMemory, RankShape
+    from kvpush_bench.sim.ranks import RankMemory, RankShape
 
     mem = RankMemory(RankShape(), 2, 16, 4096, 16)
     cfg = WorkerConfig(engine_id="M", port=port, shared_secret=SECRET)

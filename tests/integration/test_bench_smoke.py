@@ -14,9 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from kvpush.bench import cli as bench_cli
-from kvpush.bench import engine, report
-from kvpush.bench.pairs import Pair, Sample
+from kvpush_bench import bench_cli, engine, report
+from kvpush_bench.pairs import Pair, Sample
 
 pytestmark = pytest.mark.integration
 

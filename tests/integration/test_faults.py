@@ -17,11 +17,11 @@ from kvpush.core.errors import HandshakeError, PeerGoneError, TransportError
 from kvpush.core.memory_transport import Fabric, MemoryTransport
 from kvpush.core.transport import WriteState
 from kvpush.core.worker import make_agent_name
-from kvpush.sim import faults_cli
-from kvpush.sim.engine import SimEngine, SimSpec
-from kvpush.sim.fault_cases import CASES
-from kvpush.sim.fault_matrix import Case, Matrix, MatrixOptions
-from kvpush.sim.faults import FaultInjector, FaultPlan, FaultTransport, Rule, kind_of
+from kvpush_bench.sim import faults_cli
+from kvpush_bench.sim.engine import SimEngine, SimSpec
+from kvpush_bench.sim.fault_cases import CASES
+from kvpush_bench.sim.fault_matrix import Case, Matrix, MatrixOptions
+from kvpush_bench.sim.faults import FaultInjector, FaultPlan, FaultTransport, Rule, kind_of
 from tests.conftest import free_port, wait_until
 
 REG = wire.encode(

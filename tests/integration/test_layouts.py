@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvpush.sim.demo import DemoOptions, run_demo
+from kvpush_bench.sim.demo import DemoOptions, run_demo
 
 pytestmark = pytest.mark.integration
 

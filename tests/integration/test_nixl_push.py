@@ -7,9 +7,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvpush.sim.demo import DemoOptions, run_demo
-from kvpush.sim.engine import SimSpec
-from kvpush.sim.process import EngineProcess
+from kvpush_bench.sim.demo import DemoOptions, run_demo
+from kvpush_bench.sim.engine import SimSpec
+from kvpush_bench.sim.process import EngineProcess
 from tests.conftest import free_port, illegal_moves
 
 pytestmark = pytest.mark.integration

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from kvpush.sim import soak_cli
-from kvpush.sim.soak import FAULTS
+from kvpush_bench.sim import soak_cli
+from kvpush_bench.sim.soak import FAULTS
 
 pytestmark = pytest.mark.integration
 

@@ -16,9 +16,9 @@ from hypothesis import strategies as st
 
 from kvpush.core import wire
 from kvpush.core.errors import WireError
-from kvpush.sim import fuzz_cli
-from kvpush.sim.fuzz import FuzzOptions, FuzzTarget, decode_outcome
-from kvpush.sim.fuzz_inputs import PREFIXES, Generator
+from kvpush_bench.sim import fuzz_cli
+from kvpush_bench.sim.fuzz import FuzzOptions, FuzzTarget, decode_outcome
+from kvpush_bench.sim.fuzz_inputs import PREFIXES, Generator
 
 prefix = st.sampled_from(PREFIXES)
 scalars = (

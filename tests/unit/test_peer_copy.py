@@ -14,7 +14,7 @@ import pytest
 from kvpush.core.errors import ConfigError
 from kvpush.core.lane import CompletionLane, LaneView
 from kvpush.core.peer_copy import CopyDst
-from kvpush.sim.engine import content_key
+from kvpush_bench.sim.engine import content_key
 from tests.conftest import wait_until
 from tests.unit.test_staging_hook import NumpyStaging, StagedPair
 

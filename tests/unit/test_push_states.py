@@ -18,8 +18,8 @@ from kvpush.core.errors import HandshakeError
 from kvpush.core.handshake import fetch_agent_info
 from kvpush.core.memory_transport import Fabric, MemoryTransport
 from kvpush.core.worker import make_agent_name
-from kvpush.sim.engine import SimEngine, SimSpec
-from kvpush.sim.ranks import RankShape
+from kvpush_bench.sim.engine import SimEngine, SimSpec
+from kvpush_bench.sim.ranks import RankShape
 from tests.conftest import free_port, wait_until
 
 FAST = {"handshake_timeout_s": 0.5, "heartbeat_interval_s": 0.05}

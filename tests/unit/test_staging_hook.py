@@ -21,7 +21,7 @@ from kvpush.core.memory_transport import Fabric, MemoryTransport
 from kvpush.core.worker import make_agent_name
 from kvpush.gpu.slots import SlotAllocator
 from kvpush.gpu.staging import stream_extents
-from kvpush.sim.engine import SimEngine, SimSpec
+from kvpush_bench.sim.engine import SimEngine, SimSpec
 from tests.conftest import free_port, wait_until
 
 FAST = {"heartbeat_interval_s": 0.05}  # default handshake timeout: CI machines can be busy

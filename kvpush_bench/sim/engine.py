@@ -18,8 +18,8 @@ from kvpush.core.scheduler import PushScheduler, SchedulerConfig
 from kvpush.core.transport import Transport
 from kvpush.core.types import RecvRegistration, WorkerConfig
 from kvpush.core.worker import PushWorker
-from kvpush.sim.faults import FaultPlan
-from kvpush.sim.ranks import RankMemory, RankShape
+from kvpush_bench.sim.faults import FaultPlan
+from kvpush_bench.sim.ranks import RankMemory, RankShape
 
 log = logging.getLogger(__name__)
 

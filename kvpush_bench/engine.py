@@ -18,9 +18,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvpush.bench.idle_cpu import tree_cpu_seconds
-from kvpush.bench.pairs import CONFIGS, LABELS, Sample, make_pair
-from kvpush.bench.stats import ratio, summary
+from kvpush_bench.idle_cpu import tree_cpu_seconds
+from kvpush_bench.pairs import CONFIGS, LABELS, Sample, make_pair
+from kvpush_bench.stats import ratio, summary
 
 Log = Callable[[str], None]
 VOCAB_LO, VOCAB_HI = 20, 1000  # plain tokens of the tiny model (specials are above 1020)

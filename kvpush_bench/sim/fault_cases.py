@@ -10,8 +10,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from kvpush.sim.fault_matrix import Case, Ids, Matrix
-from kvpush.sim.faults import Rule
+from kvpush_bench.sim.fault_matrix import Case, Ids, Matrix
+from kvpush_bench.sim.faults import Rule
 
 WRITE_DELAY_S = 1.0  # how long a "slow" WRITE stays in flight
 CASES: list[Case] = []

@@ -16,9 +16,9 @@ from typing import Any
 import numpy as np
 
 from kvpush.deploy.servers import free_ports
-from kvpush.sim.engine import SimSpec
-from kvpush.sim.process import EngineProcess
-from kvpush.sim.ranks import RankShape
+from kvpush_bench.sim.engine import SimSpec
+from kvpush_bench.sim.process import EngineProcess
+from kvpush_bench.sim.ranks import RankShape
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""`kvpush bench`: kvpush against vLLM's own NIXL connectors, and the cost of kvpush itself.
+"""`python -m kvpush_bench bench`: kvpush against vLLM's own NIXL connectors, and the cost
+of kvpush itself.
 
 Parts (``--parts``, all by default): ``engine`` (TTFT / end-to-end through a vLLM P/D
 pair: kvpush, in-tree push, in-tree pull, interleaved in rounds), ``transport`` (kvpush
@@ -83,43 +84,44 @@ def _run(args: argparse.Namespace) -> int:
     parts = [x for x in args.parts.split(",") if x]
     unknown = set(parts) - set(PARTS)
     if unknown:
-        print(f"kvpush bench: unknown part(s) {', '.join(sorted(unknown))}", file=sys.stderr)
+        print(f"kvpush_bench bench: unknown part(s) {', '.join(sorted(unknown))}", file=sys.stderr)
         return 2
-    from kvpush.bench.pairs import LABELS
+    from kvpush_bench.pairs import LABELS
 
     bad = set(args.configs.split(",")) - set(LABELS)
     if "engine" in parts and bad:
-        print(f"kvpush bench: unknown config(s) {', '.join(sorted(bad))}", file=sys.stderr)
+        print(f"kvpush_bench bench: unknown config(s) {', '.join(sorted(bad))}", file=sys.stderr)
         return 2
     q = args.quick
     argv = args.bench_argv
-    if argv is None:  # as `kvpush bench ...`
+    if argv is None:  # as `python -m kvpush_bench bench ...`
         argv = sys.argv[1:]
         argv = argv[argv.index("bench") + 1 :] if "bench" in argv else argv
     res: dict[str, Any] = {
-        "command": "kvpush bench " + " ".join(shlex.quote(a) for a in argv),
+        "command": "python -m kvpush_bench bench " + " ".join(shlex.quote(a) for a in argv),
         "started": time.strftime("%Y-%m-%d %H:%M:%S"),
         "machine": _machine(),
     }
     t0 = time.monotonic()
     try:
         if "step" in parts:
-            from kvpush.bench.step_cost import run_step_cost
+            from kvpush_bench.step_cost import run_step_cost
 
             res["step_cost"] = run_step_cost(steps=args.steps or (300 if q else 3000), log=_log)
         if "idle" in parts:
-            from kvpush.bench.idle_cpu import run_idle_cpu
+            from kvpush_bench.idle_cpu import run_idle_cpu
 
             res["idle_cpu"] = run_idle_cpu(args.idle_seconds or (3.0 if q else 10.0), log=_log)
         if "transport" in parts:
-            from kvpush.bench.transport import run_transport
+            from kvpush_bench.transport import run_transport
 
             rounds = args.transport_rounds or (5 if q else 30)
             res["transport"] = run_transport(args.transport_mib, rounds, args.seed, log=_log)
         if "engine" in parts:
             res["engine"] = _engine(args, q)
     except KeyboardInterrupt:
-        print("kvpush bench: interrupted; every server it started was stopped", file=sys.stderr)
+        msg = "kvpush_bench bench: interrupted; every server it started was stopped"
+        print(msg, file=sys.stderr)
         return 130
     res["elapsed_s"] = round(time.monotonic() - t0, 1)
     return _output(args, res)
@@ -132,7 +134,7 @@ def _save(path: str, res: dict[str, Any]) -> None:
 
 def _output(args: argparse.Namespace, res: dict[str, Any]) -> int:
     """Summary table on stdout, then the PNGs, the JSON file and the doc section."""
-    from kvpush.bench import report
+    from kvpush_bench import report
 
     head = report.headline(res)
     res = {**head, **{k: v for k, v in res.items() if k not in head}}
@@ -148,7 +150,7 @@ def _output(args: argparse.Namespace, res: dict[str, Any]) -> int:
         _save(args.json, res)
         _log(f"results: {args.json}")
     if args.doc:
-        from kvpush.bench.doc import cpu_section
+        from kvpush_bench.doc import cpu_section
 
         report.update_doc(args.doc, cpu_section(res, args.doc))
         _log(f"doc: {args.doc} (CPU section)")
@@ -156,8 +158,8 @@ def _output(args: argparse.Namespace, res: dict[str, Any]) -> int:
 
 
 def _engine(args: argparse.Namespace, quick: bool) -> dict[str, Any]:
-    from kvpush.bench.engine import EngineOptions, aggregate, run_engine
     from kvpush.deploy.demo import default_model_dir, ensure_model
+    from kvpush_bench.engine import EngineOptions, aggregate, run_engine
 
     model = ensure_model(args.model or default_model_dir())
     opts = EngineOptions(
@@ -191,8 +193,8 @@ def _machine() -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m kvpush.bench.cli ...``: the same as ``kvpush bench ...``."""
-    parser = argparse.ArgumentParser(prog="kvpush")
+    """``python -m kvpush_bench.bench_cli ...``: ``python -m kvpush_bench bench ...``."""
+    parser = argparse.ArgumentParser(prog="python -m kvpush_bench")
     sub = parser.add_subparsers(dest="command", required=True)
     add_parser(sub)
     argv = sys.argv[1:] if argv is None else argv

@@ -1,4 +1,4 @@
-"""GpuEngine: the stepped engine of kvpush.sim, with its KV cache in torch tensors.
+"""GpuEngine: the stepped engine of kvpush_bench.sim, with its KV cache in torch tensors.
 
 The KV cache is one uint8 tensor of shape (regions, num_blocks, block_bytes) on
 ``spec.device`` ("cuda:N", or "cpu" to run the same code without a GPU); each
@@ -24,7 +24,7 @@ from kvpush.core.worker import PushWorker
 from kvpush.gpu.peer_copy import CudaPeerCopy
 from kvpush.gpu.staging import GpuStaging
 from kvpush.gpu.tensors import layout_from_tensors
-from kvpush.sim.engine import content_key
+from kvpush_bench.sim.engine import content_key
 
 _MULT = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64: odd, so a bijection mod 2**64
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
-from kvpush.bench.stats import summary
+from kvpush_bench.stats import summary
 
 # In the order a request normally passes them (P and D run side by side).
 STAGES = (

@@ -1,6 +1,6 @@
 """Transport benchmark: raw NIXL WRITE vs kvpush direct vs kvpush staged, in one run.
 
-    python -m kvpush.gpu.bench --p-device cuda:0 --d-device cuda:0 --json out.json
+    python -m kvpush_bench.gpu.bench --p-device cuda:0 --d-device cuda:0 --json out.json
 
 Two child processes play P and D. For each block size, ``--total`` bytes are
 moved as ``total / block`` blocks whose source and destination ids are random
@@ -29,8 +29,8 @@ from typing import Any
 import numpy as np
 
 from kvpush.deploy.servers import free_port
-from kvpush.gpu.engine import GpuSpec
-from kvpush.gpu.process import GpuProcess
+from kvpush_bench.gpu.engine import GpuSpec
+from kvpush_bench.gpu.process import GpuProcess
 
 GIB = 1 << 30
 BENCH_WORKER = {  # the writer polls NIXL every 10-50 us while transfers are in flight

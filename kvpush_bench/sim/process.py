@@ -15,8 +15,8 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
-from kvpush.sim.engine import SimEngine, SimSpec
-from kvpush.sim.faults import FaultInjector, FaultTransport
+from kvpush_bench.sim.engine import SimEngine, SimSpec
+from kvpush_bench.sim.faults import FaultInjector, FaultTransport
 
 Event = tuple[str, str, dict[str, Any]]
 

@@ -23,10 +23,10 @@ from kvpush.core.errors import HandshakeError, KVPushError, WireError
 from kvpush.core.handshake import fetch_agent_info
 from kvpush.core.memory_transport import Fabric, MemoryTransport
 from kvpush.core.worker import make_agent_name
-from kvpush.sim.engine import SimEngine, SimSpec
-from kvpush.sim.fault_matrix import free_port
-from kvpush.sim.faults import FaultTransport
-from kvpush.sim.fuzz_inputs import Generator, World
+from kvpush_bench.sim.engine import SimEngine, SimSpec
+from kvpush_bench.sim.fault_matrix import free_port
+from kvpush_bench.sim.faults import FaultTransport
+from kvpush_bench.sim.fuzz_inputs import Generator, World
 
 IGNORED_STATS = (
     "reg_duplicate",

@@ -1,4 +1,5 @@
-"""docs/reliability.md, written from the last run of `kvpush faults`, `soak` and `fuzz`.
+"""docs/reliability.md, written from the last run of `python -m kvpush_bench faults`, `soak`
+and `fuzz`.
 
 Each command stores its result under its own key of ``docs/reliability.json`` and the
 page is rendered again from all three, so every section shows its own last run.
@@ -51,7 +52,7 @@ def render(data: dict[str, Any]) -> str:
     out = [
         "# Reliability",
         "",
-        "Written by `kvpush faults`, `kvpush soak` and `kvpush fuzz` from their last runs",
+        "Written by `python -m kvpush_bench faults`, `soak` and `fuzz` from their last runs",
         "(the data is in `reliability.json` next to this page); do not edit by hand.",
         "",
     ]
@@ -67,7 +68,7 @@ def render(data: dict[str, Any]) -> str:
 def _faults(entry: dict[str, Any] | None) -> list[str]:
     out = ["## Fault matrix", ""]
     if entry is None:
-        return out + ["Not run yet: `kvpush faults`.", ""]
+        return out + ["Not run yet: `python -m kvpush_bench faults`.", ""]
     r = entry["result"]
     o = r["options"]
     out += [
@@ -107,7 +108,8 @@ def _faults(entry: dict[str, Any] | None) -> list[str]:
 def _soak(entry: dict[str, Any] | None) -> list[str]:
     out = ["## Soak", ""]
     if entry is None:
-        return out + ["Not run yet: `kvpush soak --requests 10000 --fault-rate 0.05`.", ""]
+        cmd = "python -m kvpush_bench soak --requests 10000 --fault-rate 0.05"
+        return out + [f"Not run yet: `{cmd}`.", ""]
     r = entry["result"]
     o = r["options"]
     out += [
@@ -143,7 +145,7 @@ def _soak(entry: dict[str, Any] | None) -> list[str]:
 def _fuzz(entry: dict[str, Any] | None) -> list[str]:
     out = ["## Fuzz", ""]
     if entry is None:
-        return out + ["Not run yet: `kvpush fuzz --inputs 100000`.", ""]
+        return out + ["Not run yet: `python -m kvpush_bench fuzz --inputs 100000`.", ""]
     r = entry["result"]
     out += [
         _run_line(entry),

@@ -1,7 +1,7 @@
 """The soak: N requests between a P and a D process over real NIXL, a fraction faulted.
 
 Each faulted request carries its fault's marker in its ids, so the rules armed on
-both processes (``kvpush.sim.faults``) hit exactly the requests chosen for them.
+both processes (``kvpush_bench.sim.faults``) hit exactly the requests chosen for them.
 Faults: dropped, duplicated and delayed notifications, failed handshakes, failed
 and erroring WRITEs, a reset peer connection, and aborts (plain, during a slow
 WRITE, and with the cancel's answer lost). Nothing is killed: the soak asks whether
@@ -20,10 +20,10 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from kvpush.sim.engine import SimSpec
-from kvpush.sim.fault_matrix import free_port
-from kvpush.sim.faults import FaultPlan, Rule
-from kvpush.sim.process import EngineProcess
+from kvpush_bench.sim.engine import SimSpec
+from kvpush_bench.sim.fault_matrix import free_port
+from kvpush_bench.sim.faults import FaultPlan, Rule
+from kvpush_bench.sim.process import EngineProcess
 
 D_OUTCOMES = ("recv", "failed", "released", "nospace")
 

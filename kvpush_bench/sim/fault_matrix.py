@@ -1,6 +1,6 @@
 """The fault matrix: one P and one D process over real NIXL, a fault per case.
 
-Each case arms a fault (``kvpush.sim.faults``) on P or D, or kills one of them at a
+Each case arms a fault (``kvpush_bench.sim.faults``) on P or D, or kills one of them at a
 protocol point, pushes one request and checks: D's outcome is the expected one, the
 blocks of every surviving side are back to zero within the lease / watchdog, and the
 survivor still serves: a replacement peer is started for a dead one and two more
@@ -15,9 +15,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvpush.sim.engine import SimSpec
-from kvpush.sim.faults import FaultPlan, Rule
-from kvpush.sim.process import EngineProcess
+from kvpush_bench.sim.engine import SimSpec
+from kvpush_bench.sim.faults import FaultPlan, Rule
+from kvpush_bench.sim.process import EngineProcess
 
 OUTCOMES = ("recv", "failed", "released", "nospace")
 NAMES = {"recv": "completed", "failed": "failed", "released": "released", "nospace": "no space"}

@@ -1,11 +1,11 @@
-"""The "CPU" section of docs/benchmarks.md, written from one `kvpush bench` result."""
+"""The "CPU" section of docs/benchmarks.md, from one `python -m kvpush_bench bench` result."""
 
 from __future__ import annotations
 
 import os
 from typing import Any
 
-from kvpush.bench.report import CONFIG_NAMES, configs_of, headline
+from kvpush_bench.report import CONFIG_NAMES, configs_of, headline
 
 
 def _f(v: Any, digits: int = 1) -> str:
@@ -23,7 +23,7 @@ def cpu_section(res: dict[str, Any], doc_path: str) -> str:
         f"{res.get('elapsed_s', '?')} s. Reproduce with:",
         "",
         "```sh",
-        res.get("command", "kvpush bench"),
+        res.get("command", "python -m kvpush_bench bench"),
         "```",
         "",
         "| measure | value | target | |",

@@ -1,4 +1,4 @@
-"""`kvpush soak`: many requests over real NIXL with injected faults."""
+"""`python -m kvpush_bench soak`: many requests over real NIXL with injected faults."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import argparse
 import json
 from pathlib import Path
 
-from kvpush.sim.reliability_doc import default_doc, record
-from kvpush.sim.soak import FAULTS, SoakOptions, run_soak
+from kvpush_bench.sim.reliability_doc import default_doc, record
+from kvpush_bench.sim.soak import FAULTS, SoakOptions, run_soak
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -28,13 +28,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
 
 def _run(args: argparse.Namespace) -> int:
     if args.requests < 1 or args.window < 1 or args.max_blocks < 1:
-        raise SystemExit("kvpush soak: --requests, --window and --max-blocks must be >= 1")
+        raise SystemExit("kvpush_bench soak: --requests, --window and --max-blocks must be >= 1")
     if not 0.0 <= args.fault_rate <= 1.0:
-        raise SystemExit("kvpush soak: --fault-rate must be within [0, 1]")
+        raise SystemExit("kvpush_bench soak: --fault-rate must be within [0, 1]")
     menu = [f for f in args.faults.split(",") if f] or sorted(FAULTS)
     unknown = set(menu) - set(FAULTS)
     if unknown:
-        raise SystemExit(f"kvpush soak: unknown faults {sorted(unknown)}")
+        raise SystemExit(f"kvpush_bench soak: unknown faults {sorted(unknown)}")
     opts = SoakOptions(
         requests=args.requests,
         fault_rate=args.fault_rate,
@@ -51,7 +51,7 @@ def _run(args: argparse.Namespace) -> int:
         print(json.dumps(s))
     else:
         print(
-            f"kvpush soak: {s['requests']} requests, {s['faulted_requests']} faulted\n"
+            f"kvpush_bench soak: {s['requests']} requests, {s['faulted_requests']} faulted\n"
             f"  completed {s['completed']}  failed {s['failed']}  released {s['released']}\n"
             f"  hung {s['hung']}  leaked blocks {s['leaked_blocks']}  crashes {s['crashes']}"
             f"  corrupted {s['corrupted']}\n"

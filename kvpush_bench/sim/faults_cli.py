@@ -1,4 +1,4 @@
-"""`kvpush faults`: the fault matrix over real NIXL; writes docs/reliability.md."""
+"""`python -m kvpush_bench faults`: the fault matrix over real NIXL; writes docs/reliability.md."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import json
 import sys
 from pathlib import Path
 
-from kvpush.sim.fault_cases import CASES
-from kvpush.sim.fault_matrix import MatrixOptions, run_matrix
-from kvpush.sim.reliability_doc import default_doc, record
+from kvpush_bench.sim.fault_cases import CASES
+from kvpush_bench.sim.fault_matrix import MatrixOptions, run_matrix
+from kvpush_bench.sim.reliability_doc import default_doc, record
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -31,7 +31,7 @@ def _run(args: argparse.Namespace) -> int:
     names = [n for n in args.cases.split(",") if n]
     unknown = set(names) - {c.name for c in CASES}
     if unknown:
-        raise SystemExit(f"kvpush faults: unknown cases {sorted(unknown)}; see --list")
+        raise SystemExit(f"kvpush_bench faults: unknown cases {sorted(unknown)}; see --list")
     if args.list:
         for c in CASES:
             print(f"{c.name:28} {c.point:40} {c.fault}")

@@ -1,6 +1,6 @@
 """Real vLLM on a GPU: TTFT of one plain server and of P/D pairs, side by side in one run.
 
-Every contender (``--configs``: plain, kvpush, push, pull; see kvpush.bench.pairs) is
+Every contender (``--configs``: plain, kvpush, push, pull; see kvpush_bench.pairs) is
 started at once on the same GPU (P and D of a pair share it), then all are frozen
 (SIGSTOP) and measured one at a time: resumed, warmed up the same way, sent the same
 prompts, frozen again (idle in-tree pairs keep NIXL progress threads spinning, which
@@ -13,7 +13,7 @@ silently. The disaggregation overhead of a pair is its TTFT minus the plain serv
 the same percentile in the same cell. ``--trace`` also records kvpush's stage marks
 (kvpush.core.trace) and reports where the time goes per cell.
 
-    python -m kvpush.bench.vllm_gpu --out DIR [--trace] [--sizes 256,2048,8000] ...
+    python -m kvpush_bench.vllm_gpu --out DIR [--trace] [--sizes 256,2048,8000] ...
 """
 
 from __future__ import annotations
@@ -27,12 +27,12 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from kvpush.bench.engine import prompts_for
-from kvpush.bench.pairs import LABELS, Pair, Sample, make_pair
-from kvpush.bench.stages import breakdown
-from kvpush.bench.stats import ratio, summary
 from kvpush.core import trace
 from kvpush.tiny_model import make_tiny_model
+from kvpush_bench.engine import prompts_for
+from kvpush_bench.pairs import LABELS, Pair, Sample, make_pair
+from kvpush_bench.stages import breakdown
+from kvpush_bench.stats import ratio, summary
 
 
 def _log(msg: str) -> None:
@@ -40,7 +40,7 @@ def _log(msg: str) -> None:
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m kvpush.bench.vllm_gpu", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m kvpush_bench.vllm_gpu", description=__doc__)
     p.add_argument("--out", required=True, help="results: JSON, plot, server logs")
     p.add_argument("--model", default="", help="model dir (default: the bench shape, made)")
     p.add_argument("--configs", default="plain,kvpush,push,pull")

@@ -58,8 +58,8 @@ class _Child:
     def setup(self, spec: Any) -> Event:
         from kvpush.core.nixl_transport import NixlTransport
         from kvpush.core.worker import make_agent_name
-        from kvpush.gpu.engine import GpuEngine
-        from kvpush.gpu.transport import CudaNixlTransport
+        from kvpush_bench.gpu.engine import GpuEngine
+        from kvpush_bench.gpu.transport import CudaNixlTransport
 
         self.close_engine()
         mem = self.buffer("kv", spec.kv_bytes)
@@ -131,7 +131,7 @@ class _Child:
     # ---- raw NIXL baseline -----------------------------------------------------------------
 
     def raw_open(self, role: str, nbytes: int) -> Event:
-        from kvpush.gpu.raw import RawEndpoint
+        from kvpush_bench.gpu.raw import RawEndpoint
 
         self.close_engine()
         if self.raw is not None:
@@ -143,7 +143,7 @@ class _Child:
         return ("raw", "connect", {"peer": self.raw.connect(metadata)})
 
     def raw_fill(self, ids: list[int], block: int, key: str, poison: bool) -> Event:
-        from kvpush.gpu.engine import pattern, sync
+        from kvpush_bench.gpu.engine import pattern, sync
 
         view = self.buffers["kv"][: self.raw.nbytes].view(-1, block)
         idx = _index(ids, self.device)
@@ -157,7 +157,7 @@ class _Child:
     def raw_verify(self, ids: list[int], block: int, key: str) -> Event:
         import torch
 
-        from kvpush.gpu.engine import pattern
+        from kvpush_bench.gpu.engine import pattern
 
         view = self.buffers["kv"][: self.raw.nbytes].view(-1, block)
         got = view.index_select(0, _index(ids, self.device))

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
-from kvpush.bench.stats import summary
+from kvpush_bench.stats import summary
 
 Log = Callable[[str], None]
 _TICK = os.sysconf("SC_CLK_TCK")

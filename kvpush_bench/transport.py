@@ -42,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from kvpush.bench.stats import ratio, summary
+from kvpush_bench.stats import ratio, summary
 
 Log = Callable[[str], None]
 BLOCK = 64 * 1024

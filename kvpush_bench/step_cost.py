@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from kvpush.bench.stats import summary
+from kvpush_bench.stats import summary
 
 Log = Callable[[str], None]
 CALLS = (

@@ -1,4 +1,5 @@
-"""Results of `kvpush bench`: the headline numbers, the summary table, PNG plots, the doc.
+"""Results of `python -m kvpush_bench bench`: the headline numbers, the summary table, PNG
+plots, the doc.
 
 ``headline`` pulls the top-level numbers and judges them against issue 5's targets;
 ``table`` renders the summary printed at the end; ``plot`` writes the PNGs (matplotlib,

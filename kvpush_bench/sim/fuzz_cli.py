@@ -1,4 +1,4 @@
-"""`kvpush fuzz`: hostile notifications into live workers' notification path."""
+"""`python -m kvpush_bench fuzz`: hostile notifications into live workers' notification path."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvpush.sim.fuzz import FuzzOptions, run_fuzz
-from kvpush.sim.reliability_doc import default_doc, record
+from kvpush_bench.sim.fuzz import FuzzOptions, run_fuzz
+from kvpush_bench.sim.reliability_doc import default_doc, record
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -25,7 +25,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
 
 def _run(args: argparse.Namespace) -> int:
     if args.inputs < 1 or args.batch < 1:
-        raise SystemExit("kvpush fuzz: --inputs and --batch must be >= 1")
+        raise SystemExit("kvpush_bench fuzz: --inputs and --batch must be >= 1")
     step = max(args.batch, args.inputs // 10)
 
     def progress(p: dict[str, Any]) -> None:
@@ -39,7 +39,7 @@ def _run(args: argparse.Namespace) -> int:
         print(json.dumps(s))
     else:
         print(
-            f"kvpush fuzz: {s['inputs']} inputs, {s['rejected']} rejected by the decoder, "
+            f"kvpush_bench fuzz: {s['inputs']} inputs, {s['rejected']} rejected by the decoder, "
             f"{s['ignored']} dropped by handlers\n"
             f"  crashes {s['crashes']}  writes caused {s['writes_caused']}  "
             f"({s['inputs_per_s']} inputs/s)"
