@@ -337,7 +337,10 @@ def print_tables(res: dict[str, Any], modes: list[str]) -> None:
         print(" | ".join(cells))
     lat = res["latency"]
     print(f"\nKV-ready latency, {lat['blocks']} blocks of {fmt_size(lat['block'])}, p50 / p90 us")
-    print("(kvpush: p50 us of each stage after P's start_step, see STAGES in kvpush/gpu/bench.py)")
+    print(
+        "(kvpush: p50 us of each stage after P's start_step,"
+        " see STAGES in kvpush_bench/gpu/bench.py)"
+    )
     for m, r in lat.items():
         if not isinstance(r, dict):
             continue

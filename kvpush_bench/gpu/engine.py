@@ -47,7 +47,7 @@ class GpuSpec:
     min_direct_run: int = 4 << 20
     verify: bool = True
     trace: bool = False  # time the writer's stages (see GpuEngine._trace)
-    bind_thread: bool = True  # CUDA: CudaNixlTransport (see kvpush/gpu/transport.py)
+    bind_thread: bool = True  # CUDA: CudaNixlTransport (see kvpush_bench/gpu/transport.py)
     lease_s: float = 30.0
     watchdog_s: float = 30.0
     # P: a prefill first keeps the device busy this long (a model's forward, roughly);

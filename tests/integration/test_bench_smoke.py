@@ -1,4 +1,4 @@
-"""`kvpush bench` in short: judged on completing and on the shape of what it writes.
+"""`python -m kvpush_bench bench` in short: judged on completing and on the shape of what it writes.
 
 The transport, step-cost and idle-CPU parts run for real (NIXL agents in child
 processes), at toy sizes. The engine part needs vLLM pairs (minutes each on 2 cores),
