@@ -7,9 +7,12 @@ module path handed to importlib counts too.
 
 from __future__ import annotations
 
+import argparse
 import ast
 import re
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 PRODUCT = ROOT / "kvpush"
@@ -78,3 +81,20 @@ def test_files_waiting_for_their_split_are_still_over_the_limit() -> None:
         k for k in sorted(NOT_YET_SPLIT) if not (ROOT / k).exists() or _lines(ROOT / k) <= MAX_LINES
     ]
     assert not done, f"under {MAX_LINES} lines now: remove {done} from NOT_YET_SPLIT"
+
+
+def _commands(parser: argparse.ArgumentParser) -> set[str]:
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return set(sub.choices)
+
+
+def test_harness_commands_left_the_product_command() -> None:
+    from kvpush import cli as product
+    from kvpush_bench import cli as harness
+
+    assert _commands(product.build_parser()) == {"demo", "tiny-model", "router"}
+    assert _commands(harness.build_parser()) == {"demo", "faults", "soak", "fuzz", "bench"}
+    with pytest.raises(SystemExit):  # the engine-free demo is the harness's now
+        product.build_parser().parse_args(["demo", "--synthetic"])
+    args = harness.build_parser().parse_args(["demo", "--p-tp", "2", "--mla"])
+    assert (args.requests, args.p_tp, args.mla) == (64, 2, True)
