@@ -3,6 +3,6 @@
 ``python -m kvpush_bench <sub-command>`` runs it: ``demo`` (the synthetic engine-free demo),
 ``faults``, ``soak``, ``fuzz`` (reliability runs over real NIXL) and ``bench`` (kvpush against
 vLLM's own NIXL connectors, and its own cost; issue 5). ``sim/`` holds the simulated engines,
-``gpu/`` the GPU transport benchmark (``python -m kvpush_bench.gpu.bench``), ``vllm_gpu.py``
-the real-vLLM GPU benchmark. kvpush_bench imports kvpush; kvpush never imports kvpush_bench.
+``vllm_gpu.py`` the real-vLLM GPU benchmark. kvpush_bench imports kvpush; kvpush never
+imports kvpush_bench.
 """

@@ -182,27 +182,25 @@ def _transport(tr: dict[str, Any]) -> list[str]:
         "(`PUSH_REG`, untimed), P's engine hands the finished blocks to its worker "
         "(`start_step`) and steps every 1 ms (like vLLM's loop while KV is pending), timed "
         "until the worker sees the WRITE DONE (when P's engine saw `finished_sending`, one "
-        'step later, is in the JSON). P\'s worker runs `writer="inline"`: like raw, the '
-        "WRITE is posted and checked on the calling thread. **kvpush_thread**: the same "
-        "through a second P worker with the default writer thread. Same buffers and block "
-        "ids for all, order rotating per round. kvpush / raw is the median over rounds of "
+        "step later, is in the JSON). Like raw, the WRITE is posted and checked on the "
+        "calling thread. Same buffers and block ids for all, order rotating per round. "
+        "kvpush / raw is the median over rounds of "
         "the raw time of the round over the kvpush time next to it (one WRITE to the next "
         "varies by ±20 % on this shared machine). A last, untimed round is checked byte for "
         "byte on D. GiB/s: median (p90).",
         "",
-        "| pattern | raw | raw_runs | kvpush | kvpush_thread | kvpush / raw "
-        "| kvpush / raw_runs | kvpush_thread / raw | kvpush before / in the WRITE call, ms "
+        "| pattern | raw | raw_runs | kvpush | kvpush / raw "
+        "| kvpush / raw_runs | kvpush before / in the WRITE call, ms "
         "| descriptors: kvpush = runs (raw, raw_runs) | bytes ok |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for pat, row in tr["patterns"].items():
         d = row["descriptors"]
-        g = [row[f"{m}_gib_s"] for m in ("raw", "raw_runs", "kvpush", "kvpush_thread")]
+        g = [row[f"{m}_gib_s"] for m in ("raw", "raw_runs", "kvpush")]
         out.append(
             f"| {pat} | "
             + " | ".join(f"{_f(x['median'], 2)} ({_f(x['p90'], 2)})" for x in g)
             + f" | {_f(row['ratio_vs_raw'], 3)} | {_f(row['ratio_vs_raw_runs'], 3)} "
-            f"| {_f(row['thread_ratio_vs_raw'], 3)} "
             f"| {_f(row['kvpush_before_write_ms']['median'], 2)} / "
             f"{_f(row['kvpush_write_call_ms']['median'], 1)} "
             f"| {d.get('kvpush')} = {d.get('runs')} ({d.get('raw')}, {d.get('raw_runs')}) "
@@ -218,10 +216,7 @@ def _transport(tr: dict[str, Any]) -> list[str]:
         f"({_f(row['kvpush_write_call_ms']['median'], 1)} ms: NIXL's prepare and post; over "
         "`cma` the copy runs inside the post) against "
         f"{_f(row['raw_ms']['median'], 1)} ms for the whole raw WRITE. kvpush wins where "
-        "it merges runs into fewer descriptors (contiguous, fragmented). Through the writer "
-        f"thread (kvpush_thread / raw {_f(tr.get('write_ratio_vs_raw_thread'), 3)}, lowest "
-        "pattern) the post itself runs a few percent slower while P's engine thread and D's "
-        "two threads want the same 2 cores.",
+        "it merges runs into fewer descriptors (contiguous, fragmented).",
         "",
     ]
     return out

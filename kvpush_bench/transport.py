@@ -12,19 +12,16 @@ WRITEs move the same blocks (P's ``src`` ids into D's ``dst`` ids), in rotating 
 - kvpush: D's worker has registered ``dst`` with P (``PUSH_REG``, not timed); P's engine
   hands its worker the finished blocks (``start_step``), timed until the worker sees the
   WRITE DONE (its ``transport.check``): matching, descriptors (one per contiguous run),
-  post. P's worker runs ``writer="inline"``: the WRITE is posted and checked on the calling
-  thread, as the raw WRITE is. P's and D's engines step every ``STEP_S`` (1 ms, like
+  post. The WRITE is posted and checked on the calling thread, as the raw WRITE is.
+  P's and D's engines step every ``STEP_S`` (1 ms, like
   vLLM's loop waiting on KV); when P's engine saw ``finished_sending`` is kept too
   (``kvpush_engine``).
-- kvpush_thread: the same through a second P worker with the default writer thread (the
-  engine thread hands the work over; the writer posts and polls).
 
 Throughput is 256 MiB over P's time; "ready" is when D learned of it (the raw
 notification, or ``finished_recving``), on the same monotonic clock. One WRITE to the
 next varies by +-20 % here, so the ratio per pattern is the median over rounds of (the
 raw time of the round) / (the kvpush time of the same round); ``write_ratio_vs_raw`` is
-the lowest over the patterns (``_raw_runs``: the same against raw_runs;
-``write_ratio_vs_raw_thread``: kvpush_thread against raw). A warm-up round
+the lowest over the patterns (``_raw_runs``: the same against raw_runs). A warm-up round
 comes first and an untimed round last, after which D checks every byte. Patterns:
 ``contiguous`` (ids in order on both sides), ``scattered`` (random permutations on both
 sides), ``fragmented`` (runs of 1-15 blocks in random order, cut differently per side).
@@ -48,8 +45,8 @@ Log = Callable[[str], None]
 BLOCK = 64 * 1024
 MIB = 1 << 20
 PATTERNS = ("contiguous", "scattered", "fragmented")
-MODES = ("raw", "raw_runs", "kvpush", "kvpush_thread")
-KV_MODES = {"kvpush": "inline", "kvpush_thread": "thread"}  # mode -> P worker's writer
+MODES = ("raw", "raw_runs", "kvpush")
+KV_MODES = ("kvpush",)
 STEP_S = float(os.environ.get("KVPUSH_BENCH_STEP_S", "1e-3"))  # engine-loop period (as vLLM's)
 
 
@@ -120,8 +117,7 @@ class _Side:
         self.write_done: dict[str, float] = {}
         self.write_call: dict[str, tuple[float, float]] = {}
         for mode, port in ports.items():  # P: one worker per kvpush mode; D: one
-            writer = KV_MODES[mode] if role == "p" else "thread"
-            cfg = WorkerConfig(f"bench-{role}-{mode}", host=host, port=port, writer=writer)
+            cfg = WorkerConfig(f"bench-{role}-{mode}", host=host, port=port)
             transport = NixlTransport(make_agent_name(cfg.engine_id, 0))
             self._time(mode, transport, WriteState)
             self.workers[mode] = PushWorker(cfg, transport, layout)
@@ -369,8 +365,7 @@ def run_transport(
                     + ", ".join(
                         f"{pat} raw {_gib(total_mib, times[pat]['raw_s'][-1]):.2f} / "
                         f"{_gib(total_mib, times[pat]['raw_runs_s'][-1]):.2f} / kvpush "
-                        f"{_gib(total_mib, times[pat]['kvpush_s'][-1]):.2f} / "
-                        f"{_gib(total_mib, times[pat]['kvpush_thread_s'][-1]):.2f} GiB/s"
+                        f"{_gib(total_mib, times[pat]['kvpush_s'][-1]):.2f} GiB/s"
                         for pat in PATTERNS
                     )
                 )
@@ -411,7 +406,6 @@ def _result(
         for base, kv, key in (
             ("raw", "kvpush", "ratio_vs_raw"),
             ("raw_runs", "kvpush", "ratio_vs_raw_runs"),
-            ("raw", "kvpush_thread", "thread_ratio_vs_raw"),
         ):
             paired = [r / k for r, k in zip(t[f"{base}_s"], t[f"{kv}_s"], strict=True) if k]
             row[f"paired_{key}"] = summary(paired, 3)
@@ -421,7 +415,6 @@ def _result(
         patterns[pat] = row
     ratios = [r["ratio_vs_raw"] for r in patterns.values() if r["ratio_vs_raw"] is not None]
     strict = [r["ratio_vs_raw_runs"] for r in patterns.values() if r["ratio_vs_raw_runs"]]
-    thread = [r["thread_ratio_vs_raw"] for r in patterns.values() if r["thread_ratio_vs_raw"]]
     return {
         "total_mib": total_mib,
         "block_bytes": BLOCK,
@@ -429,6 +422,5 @@ def _result(
         "patterns": patterns,
         "write_ratio_vs_raw": min(ratios) if ratios else None,
         "write_ratio_vs_raw_runs": min(strict) if strict else None,
-        "write_ratio_vs_raw_thread": min(thread) if thread else None,
         "descriptors_equal_runs": all(equal.values()) and bool(descs),
     }

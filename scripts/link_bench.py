@@ -4,10 +4,9 @@ P and D run as processes on the test hosts of tests/e2e/hosts.py (each in its ow
 network namespace with a private /dev/shm), UCX restricted to TCP on the link, each with
 a raw NIXL agent and a kvpush worker on the same registered buffer of 64 KiB blocks
 (kvpush_bench/transport.py's sides). In each round, per case, one raw WRITE (a
-descriptor per block, with a notification, P busy-polling it) and one kvpush push per P
-writer (``kvpush``: inline, progressed by P's engine steps every 1 ms as vLLM's loop;
-``kvpush_thread``: the writer thread; D registered first; timed from P's engine handing
-over the finished blocks) move the same scattered blocks,
+descriptor per block, with a notification, P busy-polling it) and one kvpush push
+(progressed by P's engine steps every 1 ms as vLLM's loop; D registered first; timed from
+P's engine handing over the finished blocks) move the same scattered blocks,
 in rotating order. Bytes per second are over P's time to WRITE DONE; KV-ready is when
 D learned of it (the raw notification, or kvpush's finished_recving), both from the
 moment P's prefill handed the blocks over. Cases: the tiny model's KV for a 60- and a
@@ -40,7 +39,7 @@ from kvpush_bench.stats import summary  # noqa: E402
 from tests.e2e.hosts import Host, HostPair  # noqa: E402
 
 MIB = 1 << 20
-KV_MODES = ("kvpush", "kvpush_thread")  # names as in kvpush_bench/transport.py
+KV_MODES = ("kvpush",)  # names as in kvpush_bench/transport.py
 MODES = ("raw", *KV_MODES)
 
 
@@ -63,8 +62,7 @@ def in_host(ctx: Any, host: Host, target: Any, args: tuple[Any, ...]) -> Any:
 class Side(transport._Remote):
     def __init__(self, ctx: Any, host: Host, role: str, nblocks: int) -> None:
         self.conn, child = ctx.Pipe()
-        # P: a worker per writer (kvpush: inline, kvpush_thread: a writer thread); D: one.
-        self.ports = {m: free_port() for m in (KV_MODES if role == "p" else KV_MODES[:1])}
+        self.ports = {m: free_port() for m in KV_MODES}
         self.proc = in_host(
             ctx, host, transport._child, (child, role, self.ports, nblocks, host.link)
         )
@@ -198,16 +196,14 @@ def section(res: dict[str, Any]) -> str:
         "veth (`UCX_TLS=tcp`, `UCX_NET_DEVICES`), each with a raw NIXL agent and kvpush workers",
         "on one buffer of 64 KiB blocks. Per round and case the same scattered blocks move by",
         "a raw NIXL WRITE (a descriptor per block, P busy-polling it, D polling notifications",
-        "every 50 us), by kvpush with P's inline writer (P's engine steps every 1 ms) and by",
-        "kvpush with P's writer thread (D: writer thread in both), order rotating. GiB/s over",
+        "every 50 us) and by kvpush (P's engine steps every 1 ms), order rotating. GiB/s over",
         "P's time from handing the finished blocks over to WRITE DONE; KV-ready: until D knew.",
         "Cases: the tiny model's KV for a 60- and a 450-token prompt (2 layers x 1 / 4 blocks:",
         "128 / 512 KiB in 2 / 8 blocks) and a large synthetic KV. Ratios: median over rounds of",
         "raw's time over kvpush's in the same round (> 1: kvpush faster). Medians.",
         "",
-        "| link | case | raw GiB/s | kvpush GiB/s | kvpush / raw | thread GiB/s | thread / raw"
-        " | KV-ready raw / kvpush / thread, ms |",
-        "|---|---|---|---|---|---|---|---|",
+        "| link | case | raw GiB/s | kvpush GiB/s | kvpush / raw | KV-ready raw / kvpush, ms |",
+        "|---|---|---|---|---|---|",
     ]
     for rate, per in res["rates"].items():
         for case, r in per.items():
@@ -216,23 +212,20 @@ def section(res: dict[str, Any]) -> str:
             h = r["headline"]
             out.append(
                 f"| {rate} | {case} | {h['raw_gib_s']:.3f} | {h['kvpush_gib_s']:.3f} |"
-                f" {h['kvpush_ratio']:.2f} | {h['kvpush_thread_gib_s']:.3f} |"
-                f" {h['kvpush_thread_ratio']:.2f} | {h['raw_ready_ms']:.2f} /"
-                f" {h['kvpush_ready_ms']:.2f} / {h['kvpush_thread_ready_ms']:.2f} |"
+                f" {h['kvpush_ratio']:.2f} | {h['raw_ready_ms']:.2f} /"
+                f" {h['kvpush_ready_ms']:.2f} |"
             )
     large = [r for per in res["rates"].values() for c, r in per.items() if c.startswith("large")]
     worst = min(r["headline"]["kvpush_ratio"] for r in large) if large else None
-    thread = min(r["headline"]["kvpush_thread_ratio"] for r in large) if large else None
     out += [
         "",
         f"Last large WRITE checked byte for byte on D: {res.get('verified')}. Target kvpush /"
-        f" raw >= 0.9 on the same link: the large KV's lowest ratio is {worst} with the"
-        f" inline writer (the default), {thread} with the writer thread.",
+        f" raw >= 0.9 on the same link: the large KV's lowest ratio is {worst}.",
         "",
         "Small KV (the prompt cases) is set by polling, not by the link: over TCP both P's"
         " WRITE completion and the landing of the bytes need D's side to call into UCX, and",
         "kvpush's D worker polls every 0.1 ms backing off to 2 ms (`max_poll_interval_s`),",
-        "P's inline writer progresses on engine steps (1 ms here) and D learns of the end on",
+        "P's worker progresses on engine steps (1 ms here) and D learns of the end on",
         "its next step; raw NIXL busy-polls on both sides. In a separate check on the same",
         "link (2026-12-01, 30 rounds) kvpush's KV-ready for 2 / 8 blocks was 3.2 / 3.2 ms",
         "against raw 0.8 / 1.3 ms, and 2.1 / 2.1 ms with both workers' backoff capped at",

@@ -24,7 +24,8 @@ from kvpush.core.routing import d_sources
 from kvpush.core.types import POLL, Moves, Poll, RecvRegistration, State, entered, transition
 
 if TYPE_CHECKING:
-    from kvpush.core.worker import Peer, PushWorker
+    from kvpush.core.peers import Peer
+    from kvpush.core.worker import PushWorker
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +52,6 @@ class RecvTransfer:
             {
                 State.DONE,  # a completion (or lane word) from every source
                 State.CANCELLING,  # abort, watchdog or PUSH_FAIL: stop the other sources
-                State.FAILED,  # the staged WRITE's scatter failed
             }
         ),
         State.CANCELLING: frozenset(
@@ -132,7 +132,7 @@ class Consumer:
         if t is None or t.reg is not r or t.state is not State.REGISTERED:
             return  # cancelled, expired or already sent while the handshake ran
         try:
-            self.w.load_peer(r.remote_host, replay[0], replay[1])
+            self.w.peers.load(r.remote_host, replay[0], replay[1])
         except (HandshakeError, TransportError) as e:
             self.w.stats["handshake_failed"] += 1
             self._end(t, State.FAILED, "failed", f"handshake with P failed: {e}")
@@ -158,21 +158,21 @@ class Consumer:
         r = t.reg
         ranks = self._p_ranks(r)
         peers = [
-            self.w.ensure_peer(r.remote_host, port, self._replay(r, port)) for port, _ in ranks
+            self.w.peers.ensure(r.remote_host, port, self._replay(r, port)) for port, _ in ranks
         ]
         ready = [p for p in peers if p is not None]
         if len(ready) < len(peers):
             return
-        stale = [p for p in ready if self.w.silent(p) and not self._in_use(p.agent)]
+        stale = [p for p in ready if self.w.peers.silent(p) and not self._in_use(p.agent)]
         if recheck and stale:
             # Silent P ranks may have restarted as new agents: handshake again first.
             for p in stale:
-                self.w.forget_peer(p.agent)
+                self.w.peers.forget(p.agent)
             self._try_send(t, recheck=False)
             return
         try:
             for peer in ready:
-                self.w.check_from(peer)
+                self.w.peers.check_from(peer)
         except LayoutError as e:
             self._end(t, State.FAILED, "failed", f"prefiller's KV layout is incompatible: {e}")
             return
@@ -216,7 +216,7 @@ class Consumer:
         for rid, agent in seen:
             t = self.recvs.get(rid)
             if t is not None:
-                self._completed(t, agent, staged=False)
+                self._completed(t, agent)
                 t.lanes = [s for s in t.lanes if s in lane.waiting]
         return len(seen)
 
@@ -255,7 +255,6 @@ class Consumer:
             remote_tp_size=r.remote_tp_size,
             transfer_id=r.transfer_id,
             decode_tp_rank=cfg.tp_rank,
-            staging=self._offer(r),
         )
 
     def _on_cancel(self, rid: str, expired: bool) -> None:
@@ -289,7 +288,7 @@ class Consumer:
         if replay is not None:
             ports = [replay[0]]
             try:
-                self.w.load_peer(r.remote_host, replay[0], replay[1])
+                self.w.peers.load(r.remote_host, replay[0], replay[1])
             except (HandshakeError, TransportError) as e:
                 log.info(
                     "withdrawal of %s not sent to %s:%d: %s",
@@ -304,7 +303,7 @@ class Consumer:
             trace.mark("d_consumer.withdraw", r.transfer_id, r.request_id)
         for port in ports:
             replayed = self._replay(r, port, "withdraw")
-            peer = self.w.ensure_peer(r.remote_host, port, replayed)
+            peer = self.w.peers.ensure(r.remote_host, port, replayed)
             if peer is not None and self.w.notify(peer.agent, cancel):
                 self.w.stats["withdrawn"] += 1
 
@@ -326,15 +325,15 @@ class Consumer:
 
     # ---- notifications from P ------------------------------------------------------------
 
-    def on_completion(self, sender: str, c: wire.Completion | wire.StagedDone) -> None:
+    def on_completion(self, sender: str, c: wire.Completion) -> None:
         t = self.recvs.get(c.request_id)
         if t is None:
             self.w.stats["completion_unknown"] += 1
             log.warning("completion for unknown request %s from %s", c.request_id, sender)
             return
-        self._completed(t, sender, isinstance(c, wire.StagedDone))
+        self._completed(t, sender)
 
-    def _completed(self, t: RecvTransfer, sender: str, staged: bool) -> None:
+    def _completed(self, t: RecvTransfer, sender: str) -> None:
         """A source says every byte of its part is in our blocks (or nothing was due)."""
         if sender not in t.sources or sender in t.done_from:
             self.w.stats["completion_wrong_sender"] += 1
@@ -348,8 +347,6 @@ class Consumer:
         t.done_from.add(sender)
         if t.state is State.CANCELLING:
             self._settle(t)
-            return
-        if staged and not self._unstage(t):
             return
         if t.quiet:
             self._end(t, State.DONE, "recv")
@@ -396,26 +393,6 @@ class Consumer:
         ids = t.reg.block_ids
         return sum(n * len(ids[g]) for g, n in enumerate(per))
 
-    def _offer(self, r: RecvRegistration) -> wire.StagingSlot | msgspec.UnsetType:
-        """A staging slot for P's single WRITE (same TP on both sides only), else UNSET."""
-        hook = self.w.staging
-        if hook is None or r.remote_tp_size != self.w.config.tp_size or r.remote_pp_size != 1:
-            return msgspec.UNSET
-        slot = hook.offer(r.request_id, r.block_ids)
-        return msgspec.UNSET if slot is None else slot
-
-    def _unstage(self, t: RecvTransfer) -> bool:
-        """Scatter a staged WRITE into the request's blocks; False (and failed) on error."""
-        try:
-            if self.w.staging is None:
-                raise LayoutError("staged completion, but this worker has no staging")
-            self.w.staging.unstage(t.rid, t.reg.block_ids)
-        except Exception as e:
-            self.w.stats["unstage_failed"] += 1
-            self._end(t, State.FAILED, "failed", f"scatter from staging failed: {e}")
-            return False
-        return True
-
     def _end(self, t: RecvTransfer, state: State, kind: str, reason: str = "") -> None:
         was = t.state
         transition(t, state, t.name, reason)
@@ -429,6 +406,4 @@ class Consumer:
         if self.w.lane is not None:
             for slot in t.lanes:
                 self.w.lane.release(slot)
-        if self.w.staging is not None:
-            self.w.staging.release_recv(t.rid)
         self.w.emit(kind, t.rid, reason)

@@ -39,12 +39,12 @@ import msgspec
 import zmq
 
 from kvpush.core.errors import HandshakeError
-from kvpush.core.layout import KVLayout, Region
+from kvpush.core.layout import KVLayout
 from kvpush.core.secret import Secret, as_secret
 
 log = logging.getLogger(__name__)
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 MAX_INFO_BYTES = 64 << 20
 NONCE_BYTES = 32
 MAX_REQUEST_BYTES = 4096  # a request is ~200 bytes; larger ones are refused
@@ -72,7 +72,6 @@ class AgentInfo(msgspec.Struct, kw_only=True):
     agent_name: str
     nixl_metadata: bytes
     layout: KVLayout
-    staging: Region | None = None  # the staging buffer, when the worker has a staging hook
     # What a process on the same host needs to map our KV memory (core/peer_copy.py).
     peer_copy: Annotated[bytes, msgspec.Meta(max_length=1 << 20)] | None = None
     # The name of our completion lane (core/lane.py), when we receive direct copies, and

@@ -110,26 +110,6 @@ class MemoryTransport(Transport):
                 self.fabric._finish(w, not self.fabric.fail_writes)
             return w
 
-    def prep(self, peer: str | None, descs: np.ndarray) -> object:
-        if peer is not None:
-            self._target(peer)
-        return descs.copy()
-
-    def write_prepped(
-        self,
-        peer: str,
-        local: object,
-        local_idx: np.ndarray,
-        remote: object,
-        remote_idx: np.ndarray,
-        notif: bytes,
-    ) -> object:
-        assert isinstance(local, np.ndarray) and isinstance(remote, np.ndarray)
-        return self.write(peer, local[local_idx], remote[remote_idx], notif)
-
-    def release_prepped(self, prepped: object) -> None:
-        del prepped
-
     def check(self, handle: object) -> WriteState:
         assert isinstance(handle, _Write)
         return handle.state

@@ -100,50 +100,6 @@ class NixlTransport(Transport):
             raise TransportError(f"write to {peer} failed at post")
         return handle
 
-    def prep(self, peer: str | None, descs: np.ndarray) -> object:
-        if peer is not None and peer not in self._peers:
-            raise PeerUnknownError(f"peer {peer} not added")
-        with _mapped(f"prepare descriptors for {peer or 'local'}"):
-            return self._agent.prep_xfer_dlist(
-                peer or "NIXL_INIT_AGENT", np.ascontiguousarray(descs), self._mem_type
-            )
-
-    def write_prepped(
-        self,
-        peer: str,
-        local: object,
-        local_idx: np.ndarray,
-        remote: object,
-        remote_idx: np.ndarray,
-        notif: bytes,
-    ) -> object:
-        if peer not in self._peers:
-            raise PeerUnknownError(f"peer {peer} not added")
-        with _mapped(f"write to {peer}"):
-            handle = self._agent.make_prepped_xfer(
-                "WRITE",
-                local,
-                local_idx.astype(np.int32),
-                remote,
-                remote_idx.astype(np.int32),
-                notif,
-            )
-            try:
-                state = self._agent.transfer(handle)
-            except Exception:
-                self._agent.release_xfer_handle(handle)
-                raise
-        if state == "ERR":
-            self._agent.release_xfer_handle(handle)
-            raise TransportError(f"write to {peer} failed at post")
-        return handle
-
-    def release_prepped(self, prepped: object) -> None:
-        try:
-            self._agent.release_dlist_handle(prepped)
-        except Exception as e:
-            log.warning("release of a prepared list failed: %s", e)
-
     def check(self, handle: object) -> WriteState:
         with _mapped("check write"):
             state = self._agent.check_xfer_state(handle)

@@ -18,14 +18,15 @@ import numpy as np
 from kvpush.core import trace, wire
 from kvpush.core.errors import HandshakeError, LayoutError, PeerGoneError, TransportError
 from kvpush.core.ids import Key, MatchTable
-from kvpush.core.layout import as_ids, block_indices
+from kvpush.core.layout import as_ids
 from kvpush.core.peer_copy import CopyDst, Signal, copy_dst, copy_src, single_src
 from kvpush.core.routing import build_pair_descs, p_targets
 from kvpush.core.transport import WriteState
 from kvpush.core.types import ENDED, POLL, Moves, Poll, StagedBlocks, State, transition
 
 if TYPE_CHECKING:
-    from kvpush.core.worker import Peer, PushWorker
+    from kvpush.core.peers import Peer
+    from kvpush.core.worker import PushWorker
 
 log = logging.getLogger(__name__)
 
@@ -145,8 +146,6 @@ class PushTransfer:
 class Producer:
     def __init__(self, worker: PushWorker) -> None:
         self.w = worker
-        self.finished_blocks_inbox: queue.SimpleQueue[StagedBlocks] = queue.SimpleQueue()
-        self.evict_finished_inbox: queue.SimpleQueue[str] = queue.SimpleQueue()
         # (transfer or None for a prefetch, host, port, handshake future)
         self.deferred_push_inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.staged: MatchTable[PRequest] = MatchTable()  # requests missing registrations
@@ -227,15 +226,15 @@ class Producer:
         partition looks like a dead D, but the WRITE would go on once the link is back.
         Disconnecting D ends it in error (then its blocks are freed as for any failed
         WRITE) and the next push to D handshakes afresh."""
-        peer = self.w.peers_by_agent.get(t.sender)
-        if t.copy is None and peer is not None and self.w.silent(peer):
+        peer = self.w.peers.by_agent.get(t.sender)
+        if t.copy is None and peer is not None and self.w.peers.silent(peer):
             log.warning("push %s: D %s silent for the whole lease; disconnecting", t.name, t.sender)
-            self.w.forget_peer(t.sender)
+            self.w.peers.forget(t.sender)
 
     def on_deferred(self, item: tuple[PushTransfer | None, str, int, Future[Any]]) -> None:
         t, host, port, fut = item
         try:
-            peer = self.w.load_peer(host, port, fut)
+            peer = self.w.peers.load(host, port, fut)
         except (HandshakeError, TransportError) as e:
             self.w.stats["handshake_failed"] += 1
             dropped = self.outbox.pop((host, port), [])
@@ -299,7 +298,7 @@ class Producer:
             sender,
             where,
         )
-        if sender in self.w.peers_by_agent:  # a peer we already trust can hear why
+        if sender in self.w.peers.by_agent:  # a peer we already trust can hear why
             self.w.notify(sender, self._fail_msg(reg, f"decoder {where} is not trusted"))
         return False
 
@@ -326,7 +325,7 @@ class Producer:
             return
         t = self.by_dkey.get(dkey)
         if t is None:
-            if sender in self.w.peers_by_agent:  # nothing of ours can touch its blocks
+            if sender in self.w.peers.by_agent:  # nothing of ours can touch its blocks
                 self.w.notify(sender, ack)
             return
         if t.poll() is Poll.TRANSFERRING:
@@ -382,7 +381,7 @@ class Producer:
         for (sender, d_rid), t in self.by_dkey.items():
             held[sender].append(wire.HbEntry(d_rid, t.tid))
         for sender, entries in held.items():
-            if sender in self.w.peers_by_agent:
+            if sender in self.w.peers.by_agent:
                 self.w.notify(sender, wire.Heartbeat(entries=entries))
 
     # ---- matching and writing ------------------------------------------------------------
@@ -399,7 +398,7 @@ class Producer:
         armed, reg = pend.armed, pend.reg
         if armed is None:
             return None
-        peer = self.w.peers.get((reg.decode_host, reg.decode_port))
+        peer = self.w.peers.get(reg.decode_host, reg.decode_port)
         if peer is None or peer.agent != armed.agent or peer.copy_declined:
             return None
         try:
@@ -451,10 +450,10 @@ class Producer:
         assert reg is not None
         if t.early is not None:  # launched by _launch_armed: its peer was checked there
             e, t.early = t.early, None
-            known = self.w.peers_by_agent[e.armed.agent]
+            known = self.w.peers.by_agent[e.armed.agent]
             self._copied(t, known, e.armed.handle, e.ids, e.nbytes, e.signalled)
             return
-        peer = self.w.ensure_peer(
+        peer = self.w.peers.ensure(
             reg.decode_host,
             reg.decode_port,
             lambda f: self.deferred_push_inbox.put((t, reg.decode_host, reg.decode_port, f)),
@@ -463,10 +462,10 @@ class Producer:
             transition(t, State.DEFERRED, t.name, "waiting for handshake with D")
             return
         if peer.agent != t.sender:
-            if not t.rechecked and t.sender not in self.w.peers_by_agent:
+            if not t.rechecked and t.sender not in self.w.peers.by_agent:
                 # The decoder at that address may have restarted as a new agent: ask again.
                 t.rechecked = True
-                self.w.forget_peer(peer.agent)
+                self.w.peers.forget(peer.agent)
                 self._push(t)
                 return
             self.w.stats["reg_wrong_sender"] += 1
@@ -482,56 +481,32 @@ class Producer:
                     ids, nbytes = copy_src(self.w.limits, armed.dst, src_groups)
                     self._copy(t, peer, armed, ids, nbytes)
                     return
-            if not self._settled(t):  # NIXL and the staging gather read the bytes as they are
+            if not self._settled(t):  # NIXL reads the bytes as they are
                 self.settling[id(t)] = t  # check_writes posts it once the event is done
                 return
-            src, dst, staged = self._descriptors(t, peer, reg, src_groups)
+            pairs = self.w.peers.pairs_to(peer)
+            src, dst = build_pair_descs(
+                self.w.layout, peer.info.layout, pairs, src_groups, t.dst, dst_unique=True
+            )
         except (LayoutError, wire.WireError) as e:
             self.w.stats["reg_invalid"] += 1
             self._fail(t, peer, f"invalid registration: {e}")
             return
-        if staged:
-            tp = self.w.config.tp_size
-            notif = wire.encode(wire.StagedDone(request_id=reg.request_id, tp_size=tp))
-        else:
-            notif = wire.encode_completion(reg.request_id, self.w.config.tp_size)
-        tr = self.w.transport
+        notif = wire.encode_completion(reg.request_id, self.w.config.tp_size)
         try:
-            if peer.prepped is not None and not staged and self._identity(peer):
-                t.handle = tr.write_prepped(
-                    peer.agent, self.w.local_prepped, src, peer.prepped, dst, notif
-                )
-            else:
-                t.handle = tr.write(peer.agent, src, dst, notif)
+            t.handle = self.w.transport.write(peer.agent, src, dst, notif)
         except TransportError as e:
             self.w.stats["write_failed"] += 1
             if isinstance(e, PeerGoneError):
-                self.w.forget_peer(peer.agent)
+                self.w.peers.forget(peer.agent)
             self._fail(t, peer, f"WRITE could not be posted: {e}")
             return
         self.writing[id(t)] = t
         self.w.stats["writes"] += 1
         self.w.stats["write_descs"] += len(src)
-        self.w.stats["writes_staged"] += staged
-        if peer.prepped is None and len(src):
+        if len(src):
             self.w.stats["write_bytes"] += int(src[:, 1].sum())
         transition(t, State.WRITING, t.name, f"{len(src)} descriptors")
-
-    def _descriptors(
-        self, t: PushTransfer, peer: Peer, reg: wire.PushReg, src_groups: list[list[int]]
-    ) -> tuple[np.ndarray, np.ndarray, bool]:
-        """The WRITE's (src, dst) rows (or prepped indices) and whether it is staged."""
-        staged = self._plan_staged(t, peer, reg, src_groups, t.dst)
-        if staged is not None:  # one descriptor from our staging slot into D's
-            return staged[0], staged[1], True
-        if peer.prepped is not None and self._identity(peer):
-            src = block_indices(self.w.layout, src_groups)
-            return src, block_indices(peer.info.layout, t.dst, unique_known=True), False
-        pairs = self.w.pairs_to(peer)
-        src, dst = build_pair_descs(
-            self.w.layout, peer.info.layout, pairs, src_groups, t.dst, dst_unique=True
-        )
-        return src, dst, False
 
     def _can_copy(self, peer: Peer) -> bool:
         hook = self.w.peer_copy
@@ -540,7 +515,7 @@ class Producer:
     def _arm(self, sender: str, reg: wire.PushReg, dst: list[np.ndarray]) -> Armed | None:
         """Prepare the direct copy now, while P's blocks are not ready (off the critical
         path); None when D is not connected yet or cannot be copied into."""
-        peer = self.w.peers.get((reg.decode_host, reg.decode_port))
+        peer = self.w.peers.get(reg.decode_host, reg.decode_port)
         if peer is None or peer.agent != sender or not self._can_copy(peer):
             return None
         cfg, attention = self.w.config, self.w.layout.attention
@@ -563,7 +538,7 @@ class Producer:
         signal = None
         if isinstance(reg.lane, wire.LaneSlot) and peer.info.lane:
             signal = Signal(peer.info.lane, reg.lane.slot, reg.lane.gen)
-        cd = copy_dst(self.w.limits_of(peer), self.w.pieces_to(peer), dst, signal)
+        cd = copy_dst(self.w.peers.limits_of(peer), self.w.peers.pieces_to(peer), dst, signal)
         try:
             handle = hook.prepare(peer.agent, exported, cd)
         except Exception as e:  # nothing was written: the WRITE still can be
@@ -625,7 +600,7 @@ class Producer:
     def _notify_copied(self, t: PushTransfer) -> bool:
         """A copy without a lane word is over: tell D (False, and failed, if we cannot)."""
         assert t.reg is not None
-        peer = self.w.peers_by_agent.get(t.sender)
+        peer = self.w.peers.by_agent.get(t.sender)
         notif = wire.encode_completion(t.reg.request_id, self.w.config.tp_size)
         try:
             if peer is None:
@@ -634,7 +609,7 @@ class Producer:
         except TransportError as e:
             self.w.stats["write_failed"] += 1
             if isinstance(e, PeerGoneError) and peer is not None:
-                self.w.forget_peer(peer.agent)
+                self.w.peers.forget(peer.agent)
             self._fail(t, peer, f"completion could not be sent: {e}")
             return False
         return True
@@ -643,28 +618,6 @@ class Producer:
         """push_seconds: from the blocks' hand-over to P seeing the push end."""
         if t.preq is not None:
             self.w.observe("push_seconds", time.monotonic() - t.preq.since)
-
-    def _plan_staged(
-        self,
-        t: PushTransfer,
-        peer: Peer,
-        reg: wire.PushReg,
-        src_groups: list[list[int]],
-        dst_groups: list[np.ndarray],
-    ) -> tuple[Any, Any] | None:
-        """The hook's one-descriptor WRITE when D offered a slot and the hook wants it."""
-        hook = self.w.staging
-        if hook is None or not isinstance(reg.staging, wire.StagingSlot):
-            return None
-        info = peer.info
-        return hook.plan(t.prid, info.layout, info.staging, reg.staging, src_groups, dst_groups)
-
-    def _identity(self, peer: Peer) -> bool:
-        """Region i pairs whole with the peer's region i: prepared rows line up."""
-        pairs = self.w.pairs_to(peer)
-        return len(pairs) == len(self.w.layout.regions) and all(
-            p.whole and p.src == p.dst for p in pairs
-        )
 
     def check_writes(self) -> int:
         """Post the WRITEs whose blocks' device work ended; end the WRITEs and launched
@@ -692,7 +645,7 @@ class Producer:
                 self._finish(t)
             else:
                 self.w.stats["write_failed" if what == "writes" else "copy_failed"] += 1
-                peer = self.w.peers_by_agent.get(t.sender)
+                peer = self.w.peers.by_agent.get(t.sender)
                 self._fail(t, peer, "WRITE failed" if what == "writes" else "direct copy failed")
         return changed
 
@@ -738,7 +691,7 @@ class Producer:
 
     def _send_to(self, reg: wire.PushReg, msg: wire.Message) -> None:
         """Notify the D of ``reg``, after its handshake if that is still running."""
-        peer = self.w.peers.get((reg.decode_host, reg.decode_port))
+        peer = self.w.peers.get(reg.decode_host, reg.decode_port)
         if peer is not None:
             self.w.notify(peer.agent, msg)
             return
@@ -746,7 +699,7 @@ class Producer:
         self._prefetch(reg.decode_host, reg.decode_port)
 
     def _prefetch(self, host: str, port: int) -> None:
-        self.w.ensure_peer(
+        self.w.peers.ensure(
             host, port, lambda f: self.deferred_push_inbox.put((None, host, port, f))
         )
 
@@ -765,8 +718,6 @@ class Producer:
         if self.by_prid.pop(preq.prid, None) is None:
             return
         self.staged.pop_value(preq)
-        if self.w.staging is not None:
-            self.w.staging.release_push(preq.prid)
         self.w.emit("sent", preq.prid)
 
 

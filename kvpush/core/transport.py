@@ -50,26 +50,6 @@ class Transport(ABC):
         """Post one WRITE of src descriptors into the peer's dst; ``notif`` arrives after it."""
 
     @abstractmethod
-    def prep(self, peer: str | None, descs: np.ndarray) -> object:
-        """Prepare a descriptor list once (``peer`` None: our own memory) for indexed WRITEs."""
-
-    @abstractmethod
-    def write_prepped(
-        self,
-        peer: str,
-        local: object,
-        local_idx: np.ndarray,
-        remote: object,
-        remote_idx: np.ndarray,
-        notif: bytes,
-    ) -> object:
-        """Post one WRITE of rows ``local_idx`` of ``local`` into ``remote_idx`` of ``remote``."""
-
-    @abstractmethod
-    def release_prepped(self, prepped: object) -> None:
-        """Free a prepared descriptor list."""
-
-    @abstractmethod
     def check(self, handle: object) -> WriteState:
         """Progress and report a posted WRITE."""
 

@@ -211,13 +211,6 @@ class WorkerConfig:
     handshake_timeout_s: float = 5.0
     registration_ttl_s: float = 60.0  # P drops a registration its prefill never matched
     handshake_workers: int = 4
-    # "coalesced": build descriptors per WRITE, one per contiguous run (default).
-    # "prepped": prepare every block's descriptor once per peer and WRITE by index.
-    descriptor_mode: str = "coalesced"
-    # "thread": a writer thread does the transport work (default). "inline": no thread;
-    # start_step and get_finished do it on the engine thread (no thread wake-ups on the
-    # critical path; the engine must call get_finished regularly, e.g. every step).
-    writer: str = "thread"
     # Words in D's completion lane (core/lane.py), made when the worker has a peer-copy
     # hook: same-host copies report their end there. 0: no lane (completions over NIXL).
     lane_slots: int = 1 << 16
@@ -250,9 +243,3 @@ class WorkerConfig:
             raise ConfigError(f"lane_slots must be in [0, {MAX_SLOTS}], got {self.lane_slots}")
         if self.handshake_workers < 1:
             raise ConfigError("handshake_workers must be >= 1")
-        if self.writer not in ("thread", "inline"):
-            raise ConfigError(f"writer must be thread or inline, not {self.writer!r}")
-        if self.descriptor_mode not in ("coalesced", "prepped"):
-            raise ConfigError(
-                f"descriptor_mode must be coalesced or prepped, not {self.descriptor_mode!r}"
-            )

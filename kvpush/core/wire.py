@@ -9,8 +9,6 @@ Added by kvpush:
   * ``PUSH_FAIL:<msgpack>`` — P gave up on a registration; nothing more will be written.
   * ``PUSH_CANCEL:<msgpack>`` — D aborted a registered request.
   * ``PUSH_HB:<msgpack>`` — heartbeat naming the transfers the sender still holds.
-  * ``PUSH_STAGED:<msgpack>`` — the completion of a staged WRITE (into the slot named by
-    ``PushReg.staging``, an optional field omitted unless D offers one; see core/staging.py).
   * ``PushReg.lane`` (optional, omitted unless D offers it) — a word of D's completion
     lane: a same-host P's direct copy writes it instead of sending a completion
     (see core/lane.py).
@@ -33,7 +31,6 @@ REG_PREFIX = b"PUSH_REG:"
 FAIL_PREFIX = b"PUSH_FAIL:"
 CANCEL_PREFIX = b"PUSH_CANCEL:"
 HB_PREFIX = b"PUSH_HB:"
-STAGED_PREFIX = b"PUSH_STAGED:"
 
 # Bounds keep a hostile peer from making us allocate or loop without limit.
 MAX_MESSAGE_BYTES = 4 << 20
@@ -42,7 +39,6 @@ MAX_GROUPS = 64
 MAX_HB_ENTRIES = 65536
 MAX_TP = 1024
 MAX_BLOCK_ID = (1 << 31) - 1
-MAX_STAGING_BYTES = 1 << 48
 
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=512)]
 Host = Annotated[str, msgspec.Meta(min_length=1, max_length=255)]
@@ -52,13 +48,6 @@ TpRank = Annotated[int, msgspec.Meta(ge=0, lt=MAX_TP)]
 BlockId = Annotated[int, msgspec.Meta(ge=0, le=MAX_BLOCK_ID)]
 BlockList = Annotated[list[BlockId], msgspec.Meta(max_length=MAX_BLOCKS_PER_GROUP)]
 Reason = Annotated[str, msgspec.Meta(max_length=1024)]
-
-
-class StagingSlot(msgspec.Struct, array_like=True, frozen=True):
-    """A byte range of D's staging buffer, reserved for one registration."""
-
-    offset: Annotated[int, msgspec.Meta(ge=0, le=MAX_STAGING_BYTES)]
-    nbytes: Annotated[int, msgspec.Meta(ge=1, le=MAX_STAGING_BYTES)]
 
 
 class LaneSlot(msgspec.Struct, array_like=True, frozen=True):
@@ -83,9 +72,8 @@ class PushReg(msgspec.Struct, kw_only=True):
     remote_tp_size: TpSize
     transfer_id: Name | None = None
     decode_tp_rank: TpRank = 0
-    # Optional staging slot; UNSET is never encoded, so a PUSH_REG without one is unchanged.
-    staging: StagingSlot | msgspec.UnsetType = msgspec.UNSET
-    # Optional completion-lane word for a same-host copy; UNSET is never encoded either.
+    # Optional completion-lane word for a same-host copy; UNSET is never encoded, so a
+    # PUSH_REG without one is the seed's.
     lane: LaneSlot | msgspec.UnsetType = msgspec.UNSET
 
 
@@ -127,14 +115,7 @@ class Completion(msgspec.Struct, frozen=True):
     tp_size: int
 
 
-class StagedDone(msgspec.Struct, kw_only=True, frozen=True):
-    """P wrote the request's blocks into D's staging slot: D scatters, then counts it done."""
-
-    request_id: Name
-    tp_size: TpSize
-
-
-Message = PushReg | PushFail | PushCancel | Heartbeat | Completion | StagedDone
+Message = PushReg | PushFail | PushCancel | Heartbeat | Completion
 
 _encoder = msgspec.msgpack.Encoder()
 _decoders: dict[bytes, msgspec.msgpack.Decoder] = {
@@ -142,14 +123,12 @@ _decoders: dict[bytes, msgspec.msgpack.Decoder] = {
     FAIL_PREFIX: msgspec.msgpack.Decoder(PushFail),
     CANCEL_PREFIX: msgspec.msgpack.Decoder(PushCancel),
     HB_PREFIX: msgspec.msgpack.Decoder(Heartbeat),
-    STAGED_PREFIX: msgspec.msgpack.Decoder(StagedDone),
 }
 _PREFIX_OF: dict[type, bytes] = {
     PushReg: REG_PREFIX,
     PushFail: FAIL_PREFIX,
     PushCancel: CANCEL_PREFIX,
     Heartbeat: HB_PREFIX,
-    StagedDone: STAGED_PREFIX,
 }
 # A completion's request id: printable, no whitespace; ':' is allowed (we split on the last).
 _COMPLETION_RE = re.compile(rb"^([\x21-\x7e]{1,512}):([1-9][0-9]{0,3})$")

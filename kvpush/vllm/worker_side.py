@@ -149,9 +149,6 @@ class WorkerSide:
             heartbeat_interval_s=self.opts.heartbeat_interval_s,
             handshake_timeout_s=self.opts.handshake_timeout_s,
             registration_ttl_s=self.opts.registration_ttl_s,
-            # vLLM steps while a push is pending on either side, and the keeper polls
-            # while it does not: the transfer work runs on its thread, no hand-offs.
-            writer="inline",
             lane_slots=self.opts.lane_slots,
             trusted_decoders=self.opts.trusted,
             shared_secret=self.opts.secret,

@@ -201,12 +201,6 @@ class FaultTransport(Transport):
     def remove_peer(self, name: str) -> None:
         self.inner.remove_peer(name)
 
-    def prep(self, peer: str | None, descs: np.ndarray) -> object:
-        return self.inner.prep(peer, descs)
-
-    def release_prepped(self, prepped: object) -> None:
-        self.inner.release_prepped(prepped)
-
     def close(self) -> None:
         self.inner.close()
 
@@ -215,21 +209,6 @@ class FaultTransport(Transport):
     def write(self, peer: str, src: np.ndarray, dst: np.ndarray, notif: bytes) -> object:
         self.calls["write"] += 1
         return self._post(notif, lambda: self.inner.write(peer, src, dst, notif))
-
-    def write_prepped(
-        self,
-        peer: str,
-        local: object,
-        local_idx: np.ndarray,
-        remote: object,
-        remote_idx: np.ndarray,
-        notif: bytes,
-    ) -> object:
-        self.calls["write"] += 1
-        return self._post(
-            notif,
-            lambda: self.inner.write_prepped(peer, local, local_idx, remote, remote_idx, notif),
-        )
 
     def _post(self, notif: bytes, post: Callable[[], object]) -> object:
         self.write_notifs.append(notif)

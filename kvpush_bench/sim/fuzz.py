@@ -165,7 +165,7 @@ class FuzzTarget:
         return [repr(m) for m in list(self.p_tr.write_notifs)[-n:]] if n else []
 
     def writers_alive(self) -> bool:
-        return all(e.worker.writer_alive() for e in (self.p, self.d))
+        return all(e.worker.keeper_alive() for e in (self.p, self.d))
 
     def stat(self, key: str) -> int:
         return int(self.p.worker.stats[key] + self.d.worker.stats[key])

@@ -211,8 +211,6 @@ class Generator:
         )
         if rng.random() < 0.2:  # harmless oddities
             reg[self.text(8) or "extra"] = self.value()
-        if rng.random() < 0.1:
-            reg["staging"] = [self.integer(), self.integer()]
         breaks = rng.sample(sorted(BREAKS), rng.randint(1, 3))
         for b in sorted(breaks, key=lambda b: b in ("missing", "mistyped")):  # those last
             BREAKS[b](self, reg)

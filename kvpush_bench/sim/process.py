@@ -85,7 +85,7 @@ def _handle(engine: SimEngine, conn: Connection, cmd: tuple[Any, ...]) -> None:
                 {
                     "held_blocks": engine.held_blocks(),
                     "busy": engine.busy(),
-                    "writer_alive": engine.worker.writer_alive(),
+                    "writer_alive": engine.worker.keeper_alive(),
                     "faults": faults,
                     **engine.worker.snapshot(),
                 },

@@ -51,12 +51,9 @@ def wait_held_zero(proc: EngineProcess, timeout: float) -> float:
     raise AssertionError(f"{proc.spec.engine_id} still holds blocks after {timeout}s")
 
 
-@pytest.mark.parametrize("mode", ["coalesced", "prepped", "inline"])
-def test_scattered_blocks_verified_byte_for_byte(procs: list[EngineProcess], mode: str) -> None:
-    # "inline": coalesced descriptors, no writer thread (the engine thread ticks).
-    worker = {"writer": "inline"} if mode == "inline" else {"descriptor_mode": mode}
-    p = start(procs, "P", scattered=True, block_bytes=8192, worker=worker)
-    d = start(procs, "D", scattered=True, block_bytes=8192, worker=worker)
+def test_scattered_blocks_verified_byte_for_byte(procs: list[EngineProcess]) -> None:
+    p = start(procs, "P", scattered=True, block_bytes=8192)
+    d = start(procs, "D", scattered=True, block_bytes=8192)
     for i, n in enumerate([1, 3, 17, 64]):
         push(p, d, f"r{i}", n)
     for i in range(4):
@@ -66,10 +63,8 @@ def test_scattered_blocks_verified_byte_for_byte(procs: list[EngineProcess], mod
     wait_held_zero(p, 10)  # raises when blocks are still held after 10 s
     wait_held_zero(d, 10)
     descs = p.stats()["write_descs"]
-    if mode != "prepped":  # one per contiguous run; random ids on both sides rarely pair up
-        assert 4 * 8 < descs <= (1 + 3 + 17 + 64) * 8
-    else:  # one prepared row per block and region
-        assert descs == (1 + 3 + 17 + 64) * 8
+    # One per contiguous run; random ids on both sides rarely pair up.
+    assert 4 * 8 < descs <= (1 + 3 + 17 + 64) * 8
 
 
 def test_200_concurrent_requests_random_order() -> None:
@@ -91,11 +86,10 @@ def test_200_concurrent_requests_random_order() -> None:
     assert s["bytes_verified"] > 0
 
 
-@pytest.mark.parametrize("writer", ["thread", "inline"])
-def test_d_killed_mid_stream_p_frees_within_lease(procs: list[EngineProcess], writer: str) -> None:
+def test_d_killed_mid_stream_p_frees_within_lease(procs: list[EngineProcess]) -> None:
     lease = 2.0
-    p = start(procs, "P", lease_s=lease, worker={"writer": writer})
-    d = start(procs, "D", worker={"writer": writer})
+    p = start(procs, "P", lease_s=lease)
+    d = start(procs, "D")
     push(p, d, "warm", 2)
     d.wait_for(lambda e: e[0] == "recv", 30)
     for i in range(10):

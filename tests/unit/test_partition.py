@@ -28,7 +28,7 @@ def test_partition_under_a_write_frees_both_sides_and_nothing_lands_late() -> No
         pair.until(lambda: "sent" in pair.p_kinds("p1"), 10, "P freeing under its lease")
         assert pair.p.worker.stats["write_failed"] == 1
         assert [w.state for w in held] == [WriteState.ERROR]  # ended by the disconnect
-        assert pair.d.worker.info.agent_name not in pair.p.worker.peers_by_agent
+        assert pair.d.worker.info.agent_name not in pair.p.worker.peers.by_agent
         # The link is back: the held WRITE cannot complete any more, the next push works.
         pair.fabric.drop = lambda sender, target, msg: False
         pair.fabric.hold_writes = False

@@ -13,10 +13,13 @@ import pytest
 
 from kvpush.core.errors import ConfigError
 from kvpush.core.lane import CompletionLane, LaneView
+from kvpush.core.memory_transport import Fabric, MemoryTransport
 from kvpush.core.peer_copy import CopyDst
-from kvpush_bench.sim.engine import content_key
-from tests.conftest import wait_until
-from tests.unit.test_staging_hook import NumpyStaging, StagedPair
+from kvpush.core.worker import make_agent_name
+from kvpush_bench.sim.engine import SimEngine, SimSpec, content_key
+from tests.conftest import free_port, wait_until
+
+FAST = {"heartbeat_interval_s": 0.05}  # default handshake timeout: CI machines can be busy
 
 
 def apply_pieces(dst: CopyDst, src: list[Any], move: Any) -> None:
@@ -84,13 +87,53 @@ class MemmovePeerCopy:
         self.forgotten.append(peer)
 
 
+class CopyPair:
+    """P and D SimEngines over the in-memory transport, each with its peer-copy hook."""
+
+    def __init__(self, p_kw: dict[str, Any], d_kw: dict[str, Any]) -> None:
+        fabric = Fabric()
+        self.p = self._engine("P", fabric, p_kw)
+        self.d = self._engine("D", fabric, d_kw)
+        self.d_events: list[tuple[str, str, dict[str, Any]]] = []
+
+    @staticmethod
+    def _engine(name: str, fabric: Fabric, kw: dict[str, Any]) -> SimEngine:
+        kw = dict(kw)
+        worker = {**FAST, **kw.pop("worker", {})}  # WorkerConfig fields of this side
+        spec = SimSpec(name, free_port(), layers=2, num_blocks=256, block_bytes=4096, worker=worker)
+        return SimEngine(spec, MemoryTransport(fabric, make_agent_name(name, 0)), **kw)
+
+    def step(self) -> None:
+        self.p.step()
+        self.d.step()
+        self.d_events += self.d.take_events()
+        self.p.take_events()
+
+    def push(self, rid: str, n: int) -> None:
+        self.d.register(rid, rid, n, "P", "127.0.0.1", self.p.spec.port)
+        wait_until(lambda: self.p.worker.snapshot()["pending_registrations"] > 0, 30, self.step)
+        self.p.prefill(rid, rid, n)
+
+    def outcome(self, rid: str) -> tuple[str, dict[str, Any]]:
+        def ended() -> bool:
+            return any(r == rid and k in ("recv", "failed") for k, r, _ in self.d_events)
+
+        wait_until(ended, 30, self.step, f"{rid} to end")
+        wait_until(lambda: self.p.held_blocks() == 0, 30, self.step, "P to free its blocks")
+        return next((k, info) for k, r, info in self.d_events if r == rid and k != "registered")
+
+    def close(self) -> None:
+        self.p.close()
+        self.d.close()
+
+
 @pytest.fixture
 def pair() -> Any:
-    made: list[StagedPair] = []
+    made: list[CopyPair] = []
 
-    def make(p: MemmovePeerCopy | None, d: MemmovePeerCopy | None, **kw: Any) -> StagedPair:
+    def make(p: MemmovePeerCopy | None, d: MemmovePeerCopy | None, **kw: Any) -> CopyPair:
         d_kw = {"peer_copy": d, "worker": kw.get("d_worker", {})}
-        made.append(StagedPair(kw.get("p_staging"), kw.get("d_staging"), {"peer_copy": p}, d_kw))
+        made.append(CopyPair({"peer_copy": p}, d_kw))
         return made[-1]
 
     yield make
@@ -108,15 +151,6 @@ def test_same_host_copies_and_only_notifies(pair: Any) -> None:
     st = pr.p.worker.stats
     assert st["copies"] == 3 and st["writes"] == 0 and hook.copied == 3
     assert st["copy_blocks"] == 1 + 6 + 19 and st["write_bytes"] > 0
-
-
-def test_copy_beats_staging_when_both_are_offered(pair: Any) -> None:
-    staging = {"p_staging": NumpyStaging(1 << 20), "d_staging": NumpyStaging(1 << 20)}
-    pr = pair(MemmovePeerCopy("h1"), MemmovePeerCopy("h1"), **staging)
-    pr.push("r0", 7)
-    assert pr.outcome("r0")[1]["bad_regions"] == 0
-    assert pr.p.worker.stats["copies"] == 1 and pr.p.worker.stats["writes_staged"] == 0
-    assert len(staging["d_staging"].slots) == 0  # D's unused slot was freed
 
 
 @pytest.mark.parametrize("d_hook", [MemmovePeerCopy("other"), None], ids=["other-host", "no-hook"])
@@ -150,7 +184,7 @@ def test_forgetting_a_peer_drops_its_mapping(pair: Any) -> None:
     pr.push("r0", 1)
     pr.outcome("r0")
     agent = pr.d.worker.transport.agent_name
-    pr.p.worker.forget_peer(agent)
+    pr.p.worker.peers.forget(agent)
     assert hook.forgotten == [agent]
 
 
@@ -231,9 +265,7 @@ def test_without_a_lane_word_the_copy_is_notified_after_it(pair: Any, slots: int
 def test_no_lane_word_for_a_source_on_another_host(monkeypatch: pytest.MonkeyPatch) -> None:
     hosts = iter(["p-host/boot", "d-host/boot"])  # P's worker is made first
     monkeypatch.setattr("kvpush.core.worker.host_identity", lambda: next(hosts))
-    pr = StagedPair(
-        None, None, {"peer_copy": MemmovePeerCopy("h1")}, {"peer_copy": MemmovePeerCopy("h1")}
-    )
+    pr = CopyPair({"peer_copy": MemmovePeerCopy("h1")}, {"peer_copy": MemmovePeerCopy("h1")})
     try:
         pr.push("r0", 4)
         kind, info = pr.outcome("r0")
@@ -458,7 +490,7 @@ class DeviceWork:
             self.write = None
 
 
-def prefill_after(pr: StagedPair, rid: str, n: int) -> DeviceWork:
+def prefill_after(pr: CopyPair, rid: str, n: int) -> DeviceWork:
     """P's prefill handed over before its writes are done (``after``), then D's outcome."""
     p = pr.p
     pr.d.register(rid, rid, n, "P", "127.0.0.1", p.spec.port)

@@ -1,5 +1,5 @@
 """The push state machines end to end over the in-memory transport: two real SimEngines
-(each with its writer thread, or the inline writer), real ZMQ handshakes on loopback,
+(each ticking on its engine's thread, its keeper in between), real ZMQ handshakes on loopback,
 heartbeats and timers on the wall clock; tests step both engines and poll for outcomes
 with deadlines (conftest.wait_until), so they are not deterministic. The stepped,
 thread-free tests of the same state machines are in test_transfer_states.py."""
@@ -97,13 +97,10 @@ def recv_ok(pair: Pair, rid: str) -> bool:
 
 @pytest.mark.parametrize("p_first", [True, False])
 @pytest.mark.parametrize("tid", ["tid-1", None])
-@pytest.mark.parametrize("mode", ["coalesced", "prepped", "inline"])
 def test_both_arrival_orders(
-    pair_factory: Callable[..., Pair], p_first: bool, tid: str | None, mode: str
+    pair_factory: Callable[..., Pair], p_first: bool, tid: str | None
 ) -> None:
-    pair = pair_factory(
-        worker={"writer": "inline"} if mode == "inline" else {"descriptor_mode": mode}
-    )
+    pair = pair_factory()
     if p_first:
         pair.p.prefill("cmpl-x-0-aaaaaaaa", tid, 6)  # type: ignore[arg-type]
         pair.until(lambda: len(pair.p.worker.producer.staged) == 1)
@@ -200,7 +197,7 @@ def test_withdrawal_to_an_unreachable_prefiller_is_dropped(
     pair = pair_factory()
     pair.d.withdraw("d1", "t1", "P", "127.0.0.1", free_port())  # nobody listens there
     pair.until(lambda: pair.d.worker.stats["handshakes"] == 1, what="handshake tried")
-    pair.until(lambda: not pair.d.worker._hs_futures, what="handshake over")
+    pair.until(lambda: not pair.d.worker.peers.handshakes, what="handshake over")
     assert pair.d.worker.stats["withdrawn"] == 0 and pair.d.worker.stats["writer_errors"] == 0
 
 
@@ -404,12 +401,12 @@ def test_cancel_after_the_outcome_reports_nothing_more(pair_factory: Callable[..
     assert [s for s in seen if s[1] == "r1"] == [("failed", "r1")], seen
 
 
-def test_inline_writer_works_on_the_engine_thread_and_idles_cheaply(
+def test_the_engine_thread_ticks_and_idles_cheaply(
     pair_factory: Callable[..., Pair],
 ) -> None:
-    pair = pair_factory(worker={"writer": "inline"})
+    pair = pair_factory()
     w = pair.p.worker
-    assert w._thread is not None and w._thread.name == "kvpush-keeper" and w.writer_alive()
+    assert w._thread.name == "kvpush-keeper" and w.keeper_alive()
     ticks: list[int] = []
     tick = w._tick
 
@@ -420,7 +417,7 @@ def test_inline_writer_works_on_the_engine_thread_and_idles_cheaply(
     w._tick = counted  # type: ignore[method-assign]
     pair.register("d1", "t1", 4)
     pair.until(
-        lambda: len(w.producer.pending_regs) == 1 and bool(w.peers_by_agent),
+        lambda: len(w.producer.pending_regs) == 1 and bool(w.peers.by_agent),
         what="registration on P and P connected to D",
     )
     pair.p.prefill("p1", "t1", 4)
@@ -437,13 +434,13 @@ def test_inline_writer_works_on_the_engine_thread_and_idles_cheaply(
     assert len(ticks) <= before + 1
 
 
-def test_inline_keeper_polls_while_the_engine_makes_no_call(
+def test_the_keeper_polls_while_the_engine_makes_no_call(
     pair_factory: Callable[..., Pair],
 ) -> None:
-    """writer inline, P's engine idle (no call at all): its keeper thread still reads D's
+    """P's engine idle (no call at all): its keeper thread still reads D's
     registration and keeps heartbeats going, so D's watchdog is renewed; once the
     engine calls again, the push goes through."""
-    pair = pair_factory(worker={"writer": "inline"}, watchdog_s=1.0)
+    pair = pair_factory(watchdog_s=1.0)
     pair.register("d1", "t1", 4)
     # Only D steps: P's worker hears of the registration from its keeper alone.
     wait_until(lambda: len(pair.p.worker.producer.pending_regs) == 1, 10, pair.d.step, "P's keeper")
@@ -480,11 +477,10 @@ def test_received_bytes_count_each_group_once() -> None:
         assert c._nbytes(t) == want
 
 
-@pytest.mark.parametrize("writer", ["thread", "inline"])
 def test_early_hand_over_is_reported_sent_only_once_the_engine_finished_it(
-    pair_factory: Callable[..., Pair], writer: str
+    pair_factory: Callable[..., Pair],
 ) -> None:
-    pair = pair_factory(worker={"writer": writer})
+    pair = pair_factory()
     pair.register("d1", "t1", 4)
     pair.until(lambda: len(pair.p.worker.producer.pending_regs) == 1)
     pair.p.prefill("p1", "t1", 4, early=True)

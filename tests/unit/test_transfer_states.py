@@ -124,8 +124,9 @@ def test_the_architecture_doc_shows_exactly_the_tables() -> None:
 
 
 class StubWorker:
-    """Just what ``Consumer`` asks of its worker: every P rank connected and reachable,
-    no lane, no staging; what it sends and reports is recorded. No thread, no clock."""
+    """Just what ``Consumer`` asks of its worker (and of its peer table, which it plays
+    too): every P rank connected and reachable, no lane; what it sends and reports is
+    recorded. No thread, no clock."""
 
     def __init__(self) -> None:
         from kvpush.core.layout import KVLayout, Region
@@ -134,11 +135,12 @@ class StubWorker:
         self.stats: Counter[str] = Counter()
         self.config = WorkerConfig(engine_id="D")
         self.layout = KVLayout([Region("r", 4096, 64, 16)], 16)
-        self.lane = self.staging = None
+        self.lane = None
+        self.peers = self
         self.sent: list[tuple[str, Any]] = []
         self.events: list[tuple[str, str]] = []
 
-    def ensure_peer(self, host: str, port: int, then: Any) -> Any:
+    def ensure(self, host: str, port: int, then: Any) -> Any:
         return SimpleNamespace(agent=f"P{port}", info=SimpleNamespace(peer_copy=None))
 
     def silent(self, peer: Any) -> bool:
@@ -229,11 +231,12 @@ class StubP:
         self.config = WorkerConfig(engine_id="P")
         self.layout = KVLayout([Region("r", 4096, 64, 16, layers=["l0"])], 16)
         self.limits = group_limits(self.layout)
-        self.peer_copy = self.staging = self.local_prepped = None
-        info = SimpleNamespace(layout=self.layout, peer_copy=None, staging=None)
-        self.peer = SimpleNamespace(agent="D0", info=info, prepped=None, copy_declined=False)
-        self.peers: dict[tuple[str, int], Any] = {}
-        self.peers_by_agent: dict[str, Any] = {}
+        self.peer_copy = None
+        info = SimpleNamespace(layout=self.layout, peer_copy=None)
+        self.peer = SimpleNamespace(agent="D0", info=info, copy_declined=False)
+        self.peers = self  # it plays the peer table too
+        self.by_key: dict[tuple[str, int], Any] = {}
+        self.by_agent: dict[str, Any] = {}
         self.waiting: list[Any] = []  # handshake callbacks
         self.writes: list[Any] = []
         self.transport = self
@@ -243,16 +246,19 @@ class StubP:
             self.connect()
 
     def connect(self) -> None:
-        self.peers[("h", 7)] = self.peers_by_agent["D0"] = self.peer
+        self.by_key[("h", 7)] = self.by_agent["D0"] = self.peer
 
-    def ensure_peer(self, host: str, port: int, then: Any) -> Any:
-        if (host, port) in self.peers:
-            return self.peers[(host, port)]
+    def get(self, host: str, port: int) -> Any:
+        return self.by_key.get((host, port))
+
+    def ensure(self, host: str, port: int, then: Any) -> Any:
+        if (host, port) in self.by_key:
+            return self.by_key[(host, port)]
         self.waiting.append(then)
         return None
 
-    def load_peer(self, host: str, port: int, fut: Any) -> Any:
-        return self.peers[(host, port)]
+    def load(self, host: str, port: int, fut: Any) -> Any:
+        return self.by_key[(host, port)]
 
     def pairs_to(self, peer: Any) -> Any:
         from kvpush.core.routing import pair_regions

@@ -124,8 +124,9 @@ def test_notifications_from_unauthenticated_agents_are_dropped(make: Callable[..
     assert not pair.p.worker.producer.tombstones
     pair.p.prefill("p1", "t1", 3)
     pair.until(lambda: recv_ok(pair, "d1"), what="the honest push")
-    assert d_agent in pair.p.worker.authenticated and p_agent in pair.d.worker.authenticated
-    assert "rogue-tp0-00000000" not in pair.p.worker.authenticated
+    assert d_agent in pair.p.worker.peers.authenticated
+    assert p_agent in pair.d.worker.peers.authenticated
+    assert "rogue-tp0-00000000" not in pair.p.worker.peers.authenticated
 
 
 def test_without_a_secret_notifications_are_acted_on_as_before(make: Callable[..., Pair]) -> None:

@@ -1,0 +1,178 @@
+"""The peers a worker talks to: handshakes, what each peer told us, and when we last heard.
+
+Owned by the thread that ticks (the engine's, or the keeper in its place); handshakes run
+on a small pool and only call back (``ensure``'s ``replay``), the ticking thread then
+finishes them (``load``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvpush.core.handshake import AgentInfo, AgentSet
+from kvpush.core.layout import KVLayout, group_limits
+from kvpush.core.peer_copy import PeerCopyHook
+from kvpush.core.routing import RegionPair, block_pieces, pair_regions
+from kvpush.core.transport import Transport
+from kvpush.core.types import WorkerConfig
+
+log = logging.getLogger(__name__)
+
+PeerKey = tuple[str, int]
+
+
+@dataclass
+class Peer:
+    key: PeerKey
+    info: AgentInfo
+    pairs: list[RegionPair] | None = None  # our regions into the peer's, once computed
+    pieces: np.ndarray | None = None  # the same as block_pieces rows, once computed
+    limits: list[int] | None = None  # logical blocks per group of its layout, once computed
+    copy_declined: bool = False  # the peer-copy hook cannot reach this peer: WRITE only
+    writes_to_us: bool = False  # its layout was checked to write into ours
+
+    @property
+    def agent(self) -> str:
+        return self.info.agent_name
+
+
+class PeerTable:
+    """Peers by side-channel address and by agent name."""
+
+    def __init__(
+        self,
+        config: WorkerConfig,
+        transport: Transport,
+        layout: KVLayout,
+        fetch: Callable[..., AgentInfo],
+        agent: str,
+        stats: Counter[str],
+        wake: Callable[[], None],
+        peer_copy: PeerCopyHook | None = None,
+        host_id: str = "",
+    ) -> None:
+        self.config = config
+        self.transport = transport
+        self.layout = layout
+        self._fetch = fetch  # tests substitute a gated or failing handshake
+        self._agent = agent  # ours: the name the peer will hear us under
+        self.stats = stats
+        self._wake = wake
+        self.peer_copy = peer_copy
+        self.host_id = host_id  # ours (lane.host_identity), for the log
+        self.by_key: dict[PeerKey, Peer] = {}
+        self.by_agent: dict[str, Peer] = {}
+        self.heard: dict[str, float] = {}  # agent -> when we last received anything from it
+        # With a secret: the agents that proved it to us, either way.
+        self.authenticated = AgentSet()
+        self.handshakes: dict[PeerKey, Future[AgentInfo]] = {}
+        self._executor = ThreadPoolExecutor(config.handshake_workers, "kvpush-handshake")
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    def get(self, host: str, port: int) -> Peer | None:
+        return self.by_key.get((host, port))
+
+    def ensure(
+        self, host: str, port: int, replay: Callable[[Future[AgentInfo]], None]
+    ) -> Peer | None:
+        """The ready peer, or None after arranging ``replay(future)`` once its handshake ends."""
+        key = (host, port)
+        peer = self.by_key.get(key)
+        if peer is not None:
+            return peer
+        fut = self.handshakes.get(key)
+        if fut is None:
+            cfg = self.config
+            fut = self._executor.submit(
+                self._fetch,
+                host,
+                port,
+                cfg.engine_id,
+                cfg.handshake_timeout_s,
+                # (layouts are checked per direction: pairs_to / check_from)
+                secret=cfg.shared_secret,
+                agent=self._agent,
+            )
+            self.handshakes[key] = fut
+            self.stats["handshakes"] += 1
+
+        def done(f: Future[AgentInfo]) -> None:
+            replay(f)
+            self._wake()
+
+        fut.add_done_callback(done)
+        return None
+
+    def load(self, host: str, port: int, fut: Future[AgentInfo]) -> Peer:
+        """Finish a handshake: raises HandshakeError or TransportError."""
+        key = (host, port)
+        if self.handshakes.get(key) is fut:
+            del self.handshakes[key]
+        peer = self.by_key.get(key)
+        if peer is not None:
+            return peer
+        info = fut.result()
+        self.authenticated.add(info.agent_name)  # it proved the secret, if we have one
+        old = self.by_agent.get(info.agent_name)
+        if old is not None:  # same agent reached under another address
+            self.by_key[key] = old
+            return old
+        self.transport.add_peer(info.agent_name, info.nixl_metadata)
+        peer = Peer(key, info)
+        self.by_key[key] = peer
+        self.by_agent[info.agent_name] = peer
+        self.heard[info.agent_name] = time.monotonic()  # the handshake is a sign of life
+        where = "same host" if info.host_id == self.host_id else "another host"
+        log.info("connected to %s (%s:%d, %s)", info.agent_name, host, port, where)
+        return peer
+
+    def silent(self, peer: Peer) -> bool:
+        """True when nothing came from the peer for a while: it may have restarted."""
+        quiet = time.monotonic() - self.heard.get(peer.agent, 0.0)
+        return quiet > max(3 * self.config.heartbeat_interval_s, 2.0)
+
+    def pairs_to(self, peer: Peer) -> list[RegionPair]:
+        """How our regions map into the peer's (computed once); raises LayoutError."""
+        if peer.pairs is None:
+            peer.pairs = pair_regions(self.layout, peer.info.layout)
+        return peer.pairs
+
+    def limits_of(self, peer: Peer) -> list[int]:
+        """``group_limits`` of the peer's layout (computed once)."""
+        if peer.limits is None:
+            peer.limits = group_limits(peer.info.layout)
+        return peer.limits
+
+    def pieces_to(self, peer: Peer) -> np.ndarray:
+        """``block_pieces`` of our regions into the peer's (computed once)."""
+        if peer.pieces is None:
+            peer.pieces = block_pieces(self.layout, peer.info.layout, self.pairs_to(peer))
+        return peer.pieces
+
+    def check_from(self, peer: Peer) -> None:
+        """Raise LayoutError unless the peer can write into our layout (checked once)."""
+        if not peer.writes_to_us:
+            pair_regions(peer.info.layout, self.layout)
+            peer.writes_to_us = True
+
+    def forget(self, agent: str) -> None:
+        """Drop a peer that died; the next operation towards it handshakes afresh."""
+        peer = self.by_agent.pop(agent, None)
+        if peer is None:
+            return
+        for key in [k for k, p in self.by_key.items() if p is peer]:
+            del self.by_key[key]
+        if self.peer_copy is not None:
+            self.peer_copy.forget(agent)
+        self.transport.remove_peer(agent)
+        self.heard.pop(agent, None)
+        log.info("peer %s forgotten", agent)
