@@ -201,6 +201,10 @@ def plot(res: dict[str, Any], out_dir: str, prefix: str = "cpu-") -> list[str]:
             "kvpush": COLORS["kvpush"],
             "kvpush_thread": "#98df8a",
         }
+        # kvpush_thread only in results from before the writer thread was removed (issue 20)
+        modes = {
+            m: v for m, v in modes.items() if all(f"{m}_gib_s" in tr["patterns"][p] for p in pats)
+        }
         for i, mode in enumerate(modes):
             vals = [tr["patterns"][p][f"{mode}_gib_s"] for p in pats]
             xs = [j + (i - 1.5) * 0.2 for j in range(len(pats))]
