@@ -47,7 +47,6 @@ def headline(res: dict[str, Any]) -> dict[str, Any]:
     if res.get("transport"):
         out["write_ratio_vs_raw"] = res["transport"]["write_ratio_vs_raw"]
         out["write_ratio_vs_raw_runs"] = res["transport"].get("write_ratio_vs_raw_runs")
-        out["write_ratio_vs_raw_thread"] = res["transport"].get("write_ratio_vs_raw_thread")
         out["descriptors_equal_runs"] = res["transport"]["descriptors_equal_runs"]
     if res.get("step_cost"):
         sc = res["step_cost"]
@@ -115,7 +114,6 @@ def table(res: dict[str, Any]) -> str:
                 f"raw_runs {_fmt(rr['median'], 2):>5} ({_fmt(rr['p90'], 2)})  "
                 f"kvpush {_fmt(kv['median'], 2):>5} ({_fmt(kv['p90'], 2)})"
                 f"  kvpush/raw {_fmt(row['ratio_vs_raw'], 3)}"
-                f" (thread {_fmt(row.get('thread_ratio_vs_raw'), 3)})"
                 f" (/raw_runs {_fmt(row['ratio_vs_raw_runs'], 3)})  descriptors kvpush "
                 f"{d.get('kvpush')} = runs {d.get('runs')} (raw {d.get('raw')})"
                 f"  bytes ok: {row['verified']}"
@@ -192,14 +190,12 @@ def plot(res: dict[str, Any], out_dir: str, prefix: str = "cpu-") -> list[str]:
         modes = {
             "raw": "raw NIXL, per block",
             "raw_runs": "raw NIXL, per run",
-            "kvpush": "kvpush (inline)",
-            "kvpush_thread": "kvpush (writer thread)",
+            "kvpush": "kvpush",
         }
         colors = {
             "raw": "#7f7f7f",
             "raw_runs": "#c7c7c7",
             "kvpush": COLORS["kvpush"],
-            "kvpush_thread": "#98df8a",
         }
         # kvpush_thread only in results from before the writer thread was removed (issue 20)
         modes = {
@@ -207,7 +203,7 @@ def plot(res: dict[str, Any], out_dir: str, prefix: str = "cpu-") -> list[str]:
         }
         for i, mode in enumerate(modes):
             vals = [tr["patterns"][p][f"{mode}_gib_s"] for p in pats]
-            xs = [j + (i - 1.5) * 0.2 for j in range(len(pats))]
+            xs = [j + (i - 1) * 0.25 for j in range(len(pats))]
             err = [
                 [max(0.0, v["median"] - v["min"]) for v in vals],
                 [max(0.0, v["max"] - v["median"]) for v in vals],

@@ -9,91 +9,25 @@ from __future__ import annotations
 import logging
 import queue
 import time
-from collections import Counter, defaultdict
+from collections import defaultdict
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from kvpush.core import trace, wire
 from kvpush.core.errors import HandshakeError, LayoutError, TransportError
 from kvpush.core.layout import validate_block_ids
+from kvpush.core.records import RecvTransfer
 from kvpush.core.routing import d_sources
-from kvpush.core.types import POLL, Moves, Poll, RecvRegistration, State, entered, transition
+from kvpush.core.types import RecvRegistration, State, entered, transition
 
 if TYPE_CHECKING:
     from kvpush.core.peers import Peer
     from kvpush.core.worker import PushWorker
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class RecvTransfer:
-    """One D request waiting for the WRITEs of its P ranks into its pre-allocated blocks.
-
-    D registers with every P rank (so each knows D's TP size); ``sources`` are the
-    ones that write here, and each sends one completion or one PUSH_FAIL.
-    """
-
-    # Every legal move (docs/architecture.md, "Transfer states", shows this table).
-    MOVES: ClassVar[Moves] = {
-        State.REGISTERED: frozenset(
-            {
-                State.AWAITING,  # PUSH_REG sent to every P rank
-                State.FAILED,  # bad block ids, handshake, layout or send failed
-                State.CANCELLED,  # aborted before P knew of it
-                State.EXPIRED,  # watchdog while handshaking
-            }
-        ),
-        State.AWAITING: frozenset(
-            {
-                State.DONE,  # a completion (or lane word) from every source
-                State.CANCELLING,  # abort, watchdog or PUSH_FAIL: stop the other sources
-            }
-        ),
-        State.CANCELLING: frozenset(
-            {
-                State.CANCELLED,  # aborted, and no source can write any more
-                State.FAILED,  # a PUSH_FAIL, and no source can write any more
-                State.EXPIRED,  # watchdog
-            }
-        ),
-    }
-
-    reg: RecvRegistration
-    state: State = State.REGISTERED
-    agents: list[str] = field(default_factory=list)  # every P rank registered with
-    sources: list[str] = field(default_factory=list)  # the P ranks that write here
-    done_from: set[str] = field(default_factory=set)  # sources with nothing in flight
-    fail_reason: str = ""  # failing: waiting for the other sources before reporting it
-    aborted: bool = False
-    lanes: list[int] = field(default_factory=list)  # our lane's words reserved for sources
-    laned: bool = False  # every source got a word: the receive ends by a memory read
-    sent_at: float = 0.0  # when PUSH_REG went to every P rank (monotonic)
-    stats: Counter[str] | None = field(default=None, repr=False)  # counts illegal moves
-
-    @property
-    def p_agent(self) -> str | None:
-        return self.sources[0] if self.sources else None
-
-    @property
-    def quiet(self) -> bool:
-        # done_from only ever holds sources: as many means all (no set built per check).
-        return len(self.done_from) >= len(self.sources) or self.done_from >= set(self.sources)
-
-    @property
-    def rid(self) -> str:
-        return self.reg.request_id
-
-    @property
-    def name(self) -> str:
-        return self.reg.transfer_id or self.reg.request_id
-
-    def poll(self) -> Poll:
-        return POLL[self.state]
 
 
 class Consumer:

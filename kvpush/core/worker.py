@@ -306,7 +306,7 @@ class PushWorker:
         busy += self.drain(c.reg_send_inbox, c.on_item)
         busy += self.drain(p.deferred_push_inbox, p.on_deferred)
         busy += self._poll_notifs()
-        busy += p.check_writes()
+        busy += p.sender.check()
         now = time.monotonic()
         if now >= self._next_timers:
             self._next_timers = now + self.config.heartbeat_interval_s
@@ -323,7 +323,7 @@ class PushWorker:
         idle = lanes = False
         if self.producer.has_unmatched():
             wait = cfg.match_poll_s
-        elif self.producer.writing or self.producer.settling or self.peers.handshakes:
+        elif self.producer.sender.busy() or self.peers.handshakes:
             wait = self._poll_s
         elif self.consumer.outstanding():
             # get_finished reads the lane every call: while only lane words are awaited,
@@ -387,7 +387,7 @@ class PushWorker:
             **self.stats,
             "staged": len(self.producer.staged),
             "pending_registrations": len(self.producer.pending_regs),
-            "writing": len(self.producer.writing),
+            "writing": len(self.producer.sender.writing),
             "receiving": self.consumer.outstanding(),
             **{f"handshake_refused_{k}": v for k, v in self._server.refused.items()},
         }

@@ -197,7 +197,9 @@ def test_garbage_oversized_and_old_versions_get_a_short_refusal(
     }
     raw.ask(v1)  # a version-1 client reads the refusal as one (its reply had these fields)
     old = msgspec.msgpack.decode(raw.last, type=V1Reply)
-    assert old.info is None and old.error is not None and f"speaks {hs.PROTOCOL_VERSION}" in old.error
+    assert (
+        old.info is None and old.error is not None and f"speaks {hs.PROTOCOL_VERSION}" in old.error
+    )
     assert s.fetch().nixl_metadata == META
     raw.close()
 

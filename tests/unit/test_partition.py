@@ -21,7 +21,7 @@ def test_partition_under_a_write_frees_both_sides_and_nothing_lands_late() -> No
         pair.fabric.hold_writes = True
         pair.p.prefill("p1", "t1", 4)
         pair.register("d1", "t1", 4)
-        pair.until(lambda: len(pair.p.worker.producer.writing) == 1, what="WRITE in flight")
+        pair.until(lambda: len(pair.p.worker.producer.sender.writing) == 1, what="WRITE in flight")
         held = [w for w in pair.fabric.writes if w.state is WriteState.PENDING]
         pair.fabric.drop = lambda sender, target, msg: True  # the link is cut
         pair.until(lambda: "failed" in pair.d_kinds("d1"), 10, "D's watchdog")

@@ -316,7 +316,7 @@ def test_cancel_during_write_keeps_blocks_until_outcome(pair_factory: Callable[.
     pair.fabric.hold_writes = True
     pair.p.prefill("p1", "t1", 4)
     pair.register("d1", "t1", 4)
-    pair.until(lambda: len(pair.p.worker.producer.writing) == 1, what="WRITE in flight")
+    pair.until(lambda: len(pair.p.worker.producer.sender.writing) == 1, what="WRITE in flight")
     pair.d.abort("d1")
     pair.until(
         lambda: (

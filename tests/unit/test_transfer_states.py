@@ -326,9 +326,9 @@ def stepped_p(connected: bool = True) -> tuple[Any, StubP, PushTransfer]:
 def test_stepped_push_writes_then_frees_p_blocks() -> None:
     p, w, leg = stepped_p()
     assert leg.state is State.WRITING and len(w.writes) == 1 and w.events == []
-    assert p.check_writes() == 0  # still pending
+    assert p.sender.check() == 0  # still pending
     w.end_writes(ok=True)
-    assert p.check_writes() == 1
+    assert p.sender.check() == 1
     assert leg.state is State.DONE and w.events == [("sent", "p1")]
 
 
@@ -346,7 +346,7 @@ def test_stepped_failed_write_fails_the_leg_and_tells_d() -> None:
 
     p, w, leg = stepped_p()
     w.end_writes(ok=False)
-    p.check_writes()
+    p.sender.check()
     assert leg.state is State.FAILED and w.events == [("sent", "p1")]
     assert [m.reason for m in w.sent if isinstance(m, PushFail)] == ["WRITE failed"]
 
@@ -359,7 +359,7 @@ def test_stepped_cancel_and_lease_end_a_waiting_leg_not_a_writing_one() -> None:
     p.on_evict("p1")
     assert leg.state is State.WRITING and leg.cancelled and w.events == []  # its outcome ends it
     w.end_writes(ok=True)
-    p.check_writes()
+    p.sender.check()
     assert leg.state is State.DONE and w.events == [("sent", "p1")]
     p, w, leg = stepped_p(connected=False)
     p.on_cancel("D0", PushCancel(request_id="d1", transfer_id="t1"))

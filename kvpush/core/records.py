@@ -1,0 +1,212 @@
+"""The record of one transfer on each side: P's leg (``PushTransfer``, with the request
+it belongs to and what waits for it) and D's receive (``RecvTransfer``).
+
+Each record carries its own state, its legal moves (``MOVES``, checked by
+``types.transition``) and ``poll()``; the producer and consumer keep them in their
+tables by id. Plain data: no I/O here.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import numpy as np
+
+from kvpush.core import wire
+from kvpush.core.errors import LayoutError
+from kvpush.core.peer_copy import CopyDst
+from kvpush.core.types import POLL, Moves, Poll, RecvRegistration, State
+
+DKey = tuple[str, str]  # (D agent that registered, D request id)
+
+
+@dataclass
+class Armed:
+    """A direct copy prepared when D registered: only P's block ids are missing."""
+
+    agent: str  # the D agent it was prepared for
+    dst: CopyDst
+    handle: object  # the peer-copy hook's
+
+
+@dataclass
+class Launched:
+    """A direct copy already launched; the leg's bookkeeping follows it."""
+
+    armed: Armed
+    ids: list[Any]
+    nbytes: int
+    signalled: bool
+
+
+@dataclass
+class PendingReg:
+    reg: wire.PushReg
+    sender: str
+    arrived: float
+    # D's ids as arrays, made on arrival so the WRITE path need not convert them.
+    dst: list[np.ndarray] = field(default_factory=list)
+    armed: Armed | None = None
+
+
+@dataclass
+class PendingGroup:
+    """Registrations of one request from D's ranks that came before P's blocks."""
+
+    regs: dict[int, PendingReg] = field(default_factory=dict)  # by D tp rank
+
+
+@dataclass
+class PRequest:
+    """A finished P request: one leg per D rank that registered (every D rank does)."""
+
+    prid: str
+    blocks: list[list[int]]
+    tid: str | None
+    expected: int | None = None  # D's TP size, known from the first registration
+    after: Any = None  # StagedBlocks.after until waited for (None: the bytes are final)
+    legs: dict[int, PushTransfer] = field(default_factory=dict)
+    resolved: int = 0
+    ended: bool = False  # evicted: no more legs will be started
+    since: float = field(default_factory=time.monotonic)  # handed to the producer
+
+    def waiting(self) -> bool:
+        return not self.ended and (self.expected is None or len(self.legs) < self.expected)
+
+
+@dataclass
+class PushTransfer:
+    """One leg: a P request on its way into one D rank's registration."""
+
+    # Every legal move (docs/architecture.md, "Transfer states", shows this table).
+    MOVES: ClassVar[Moves] = {
+        State.STAGED: frozenset({State.MATCHED}),  # _attach: a leg is born matched
+        State.MATCHED: frozenset(
+            {
+                State.WRITING,  # WRITE posted or copy launched
+                State.DEFERRED,  # handshake with D still running
+                State.DONE,  # this P rank feeds nothing of that D rank
+                State.FAILED,  # invalid registration, post or launch failed
+                State.EXPIRED,  # lease ran out (also while settling)
+                State.CANCELLED,  # PUSH_CANCEL
+            }
+        ),
+        State.DEFERRED: frozenset(
+            {
+                State.WRITING,
+                State.DEFERRED,  # D restarted as a new agent: handshake again
+                State.FAILED,
+                State.EXPIRED,
+                State.CANCELLED,
+            }
+        ),
+        # Neither lease nor cancel ends a WRITE in flight: only its outcome.
+        State.WRITING: frozenset({State.DONE, State.FAILED}),
+    }
+
+    prid: str
+    blocks: list[list[int]]
+    tid: str | None
+    state: State = State.STAGED
+    reg: wire.PushReg | None = None
+    dst: list[np.ndarray] = field(default_factory=list)  # reg's ids, as arrays
+    sender: str = ""
+    handle: Any = None
+    armed: Armed | None = None  # the direct copy prepared at registration, if any
+    early: Launched | None = None  # launched before this leg existed (_launch_armed)
+    copy: object | None = None  # a launched direct copy, until it is over
+    notify: bool = False  # the copy writes no lane word: P sends the completion after it
+    cancelled: bool = False  # D cancelled while the WRITE was in flight
+    rechecked: bool = False  # the decoder's address was handshaken again (restart)
+    staged_at: float = field(default_factory=time.monotonic)
+    preq: PRequest | None = None
+    stats: Counter[str] | None = field(default=None, repr=False)  # counts illegal moves
+
+    @property
+    def name(self) -> str:
+        return self.tid or self.prid
+
+    def poll(self) -> Poll:
+        return POLL[self.state]
+
+
+@dataclass
+class RecvTransfer:
+    """One D request waiting for the WRITEs of its P ranks into its pre-allocated blocks.
+
+    D registers with every P rank (so each knows D's TP size); ``sources`` are the
+    ones that write here, and each sends one completion or one PUSH_FAIL.
+    """
+
+    # Every legal move (docs/architecture.md, "Transfer states", shows this table).
+    MOVES: ClassVar[Moves] = {
+        State.REGISTERED: frozenset(
+            {
+                State.AWAITING,  # PUSH_REG sent to every P rank
+                State.FAILED,  # bad block ids, handshake, layout or send failed
+                State.CANCELLED,  # aborted before P knew of it
+                State.EXPIRED,  # watchdog while handshaking
+            }
+        ),
+        State.AWAITING: frozenset(
+            {
+                State.DONE,  # a completion (or lane word) from every source
+                State.CANCELLING,  # abort, watchdog or PUSH_FAIL: stop the other sources
+            }
+        ),
+        State.CANCELLING: frozenset(
+            {
+                State.CANCELLED,  # aborted, and no source can write any more
+                State.FAILED,  # a PUSH_FAIL, and no source can write any more
+                State.EXPIRED,  # watchdog
+            }
+        ),
+    }
+
+    reg: RecvRegistration
+    state: State = State.REGISTERED
+    agents: list[str] = field(default_factory=list)  # every P rank registered with
+    sources: list[str] = field(default_factory=list)  # the P ranks that write here
+    done_from: set[str] = field(default_factory=set)  # sources with nothing in flight
+    fail_reason: str = ""  # failing: waiting for the other sources before reporting it
+    aborted: bool = False
+    lanes: list[int] = field(default_factory=list)  # our lane's words reserved for sources
+    laned: bool = False  # every source got a word: the receive ends by a memory read
+    sent_at: float = 0.0  # when PUSH_REG went to every P rank (monotonic)
+    stats: Counter[str] | None = field(default=None, repr=False)  # counts illegal moves
+
+    @property
+    def p_agent(self) -> str | None:
+        return self.sources[0] if self.sources else None
+
+    @property
+    def quiet(self) -> bool:
+        # done_from only ever holds sources: as many means all (no set built per check).
+        return len(self.done_from) >= len(self.sources) or self.done_from >= set(self.sources)
+
+    @property
+    def rid(self) -> str:
+        return self.reg.request_id
+
+    @property
+    def name(self) -> str:
+        return self.reg.transfer_id or self.reg.request_id
+
+    def poll(self) -> Poll:
+        return POLL[self.state]
+
+
+def source_blocks(dst: list[np.ndarray], blocks: list[list[int]]) -> list[list[int]]:
+    """P's blocks for D's registered ones, per group: D may already hold a prefix (its
+    own cache), so P writes the tail."""
+    if len(dst) != len(blocks):
+        raise LayoutError(f"{len(dst)} block groups, P holds {len(blocks)}")
+    src = []
+    for g, (d_ids, p_ids) in enumerate(zip(dst, blocks, strict=True)):
+        if len(d_ids) > len(p_ids):
+            raise LayoutError(f"group {g}: D registered {len(d_ids)} blocks, P holds {len(p_ids)}")
+        src.append(p_ids if len(p_ids) == len(d_ids) else p_ids[len(p_ids) - len(d_ids) :])
+    return src
