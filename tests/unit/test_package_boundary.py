@@ -17,9 +17,6 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 PRODUCT = ROOT / "kvpush"
 MAX_LINES = 400
-# Over the limit until issue 20's rework of the core splits them; remove a name once its
-# file is under the limit (the last test fails as a reminder).
-NOT_YET_SPLIT = {"kvpush/core/producer.py", "kvpush/core/consumer.py"}
 _MODULE_PATH = re.compile(r"kvpush_bench(\.\w+)*")
 
 
@@ -72,15 +69,8 @@ def _lines(path: Path) -> int:
 
 def test_no_product_file_over_the_limit() -> None:
     sizes = {str(p.relative_to(ROOT)): _lines(p) for p in _product_files()}
-    over = {k: n for k, n in sizes.items() if n > MAX_LINES and k not in NOT_YET_SPLIT}
+    over = {k: n for k, n in sizes.items() if n > MAX_LINES}
     assert not over, f"product files over {MAX_LINES} lines: {over}"
-
-
-def test_files_waiting_for_their_split_are_still_over_the_limit() -> None:
-    done = [
-        k for k in sorted(NOT_YET_SPLIT) if not (ROOT / k).exists() or _lines(ROOT / k) <= MAX_LINES
-    ]
-    assert not done, f"under {MAX_LINES} lines now: remove {done} from NOT_YET_SPLIT"
 
 
 def _commands(parser: argparse.ArgumentParser) -> set[str]:
