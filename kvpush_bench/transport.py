@@ -13,9 +13,10 @@ WRITEs move the same blocks (P's ``src`` ids into D's ``dst`` ids), in rotating 
   hands its worker the finished blocks (``start_step``), timed until the worker sees the
   WRITE DONE (its ``transport.check``): matching, descriptors (one per contiguous run),
   post. The WRITE is posted and checked on the calling thread, as the raw WRITE is.
-  P's and D's engines step every ``STEP_S`` (1 ms, like
-  vLLM's loop waiting on KV); when P's engine saw ``finished_sending`` is kept too
-  (``kvpush_engine``).
+  P's and D's engines step as vLLM with kvpush's connector does while a push is pending:
+  empty steps back to back for ``IDLE_SPIN_S``, then one every ``IDLE_SLEEP_S``
+  (``EngineLoop``; vLLM's own work per step is not included, so this is the connector's
+  best case); when P's engine saw ``finished_sending`` is kept too (``kvpush_engine``).
 
 Throughput is 256 MiB over P's time; "ready" is when D learned of it (the raw
 notification, or ``finished_recving``), on the same monotonic clock. One WRITE to the
@@ -30,7 +31,6 @@ sides), ``fragmented`` (runs of 1-15 blocks in random order, cut differently per
 from __future__ import annotations
 
 import multiprocessing as mp
-import os
 import random
 import time
 from collections.abc import Callable
@@ -47,7 +47,22 @@ MIB = 1 << 20
 PATTERNS = ("contiguous", "scattered", "fragmented")
 MODES = ("raw", "raw_runs", "kvpush")
 KV_MODES = ("kvpush",)
-STEP_S = float(os.environ.get("KVPUSH_BENCH_STEP_S", "1e-3"))  # engine-loop period (as vLLM's)
+# How kvpush/vllm/worker_side.py paces vLLM's empty steps (the same values; a unit test
+# checks they stay equal).
+IDLE_SPIN_S = 0.005
+IDLE_SLEEP_S = 0.0005
+
+
+class EngineLoop:
+    """The pause between two engine steps while a push is pending, as in vLLM: none for
+    the first IDLE_SPIN_S, then IDLE_SLEEP_S each."""
+
+    def __init__(self) -> None:
+        self.start = time.monotonic()
+
+    def pause(self) -> None:
+        if time.monotonic() - self.start >= IDLE_SPIN_S:
+            time.sleep(IDLE_SLEEP_S)
 
 
 def chunked(n: int, rng: random.Random, lo: int = 1, hi: int = 15) -> list[int]:
@@ -223,6 +238,7 @@ class _Side:
 
     def _until(self, worker: Any, rid: str, what: str, timeout: float) -> dict[str, Any]:
         deadline = time.monotonic() + timeout
+        loop = EngineLoop()
         while time.monotonic() < deadline:
             out = worker.get_finished()
             if rid in getattr(out, what):
@@ -230,7 +246,7 @@ class _Side:
                 return {key: time.monotonic(), "ok": True}
             if out.failed_recving:
                 return {"ok": False, "error": str(out.failed_recving)}
-            time.sleep(STEP_S)
+            loop.pause()
         return {"ok": False, "error": f"no {what} in {timeout}s"}
 
     def verify(self, dst: list[int], src: list[int]) -> bool:

@@ -5,8 +5,9 @@ network namespace with a private /dev/shm), UCX restricted to TCP on the link, e
 a raw NIXL agent and a kvpush worker on the same registered buffer of 64 KiB blocks
 (kvpush_bench/transport.py's sides). In each round, per case, one raw WRITE (a
 descriptor per block, with a notification, P busy-polling it) and one kvpush push
-(progressed by P's engine steps every 1 ms as vLLM's loop; D registered first; timed from
-P's engine handing over the finished blocks) move the same scattered blocks,
+(progressed by P's and D's engine steps, paced as vLLM's with kvpush's connector:
+kvpush_bench/transport.py's EngineLoop; D registered first; timed from P's engine handing
+over the finished blocks) move the same scattered blocks,
 in rotating order. Bytes per second are over P's time to WRITE DONE; KV-ready is when
 D learned of it (the raw notification, or kvpush's finished_recving), both from the
 moment P's prefill handed the blocks over. Cases: the tiny model's KV for a 60- and a
@@ -196,7 +197,9 @@ def section(res: dict[str, Any]) -> str:
         "veth (`UCX_TLS=tcp`, `UCX_NET_DEVICES`), each with a raw NIXL agent and kvpush workers",
         "on one buffer of 64 KiB blocks. Per round and case the same scattered blocks move by",
         "a raw NIXL WRITE (a descriptor per block, P busy-polling it, D polling notifications",
-        "every 50 us) and by kvpush (P's engine steps every 1 ms), order rotating. GiB/s over",
+        "every 50 us) and by kvpush (P's and D's engines step as vLLM's do while a push is",
+        "pending: back to back for 5 ms, then every 0.5 ms; vLLM's own work per step is not",
+        "included), order rotating. GiB/s over",
         "P's time from handing the finished blocks over to WRITE DONE; KV-ready: until D knew.",
         "Cases: the tiny model's KV for a 60- and a 450-token prompt (2 layers x 1 / 4 blocks:",
         "128 / 512 KiB in 2 / 8 blocks) and a large synthetic KV. Ratios: median over rounds of",

@@ -270,6 +270,16 @@ def test_empty_steps_give_the_core_away_after_a_short_spin(monkeypatch: pytest.M
     assert len(slept) == 4
 
 
+def test_the_transport_bench_paces_its_engines_as_the_connector_does() -> None:
+    from kvpush.vllm import worker_side
+    from kvpush_bench import transport
+
+    assert (transport.IDLE_SPIN_S, transport.IDLE_SLEEP_S) == (
+        worker_side.IDLE_SPIN_S,
+        worker_side.IDLE_SLEEP_S,
+    )
+
+
 def test_connector_meta_marks_steps_without_tokens() -> None:
     from types import SimpleNamespace
 
