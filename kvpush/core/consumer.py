@@ -24,15 +24,20 @@ from kvpush.core.routing import d_sources
 from kvpush.core.types import RecvRegistration, State, entered, transition
 
 if TYPE_CHECKING:
+    from kvpush.core.lane import CompletionLane
     from kvpush.core.peers import Peer
-    from kvpush.core.worker import PushWorker
+    from kvpush.core.shared import Shared
 
 log = logging.getLogger(__name__)
 
 
 class Consumer:
-    def __init__(self, worker: PushWorker) -> None:
-        self.w = worker
+    def __init__(
+        self, shared: Shared, lane: CompletionLane | None = None, host_id: str = ""
+    ) -> None:
+        self.s = shared
+        self.lane = lane  # ours, when same-host P ranks can copy into us
+        self.host_id = host_id  # ours (lane.host_identity): lane words only for this host
         # ("reg", RecvRegistration, None | (port, handshake future)) | ("cancel", id, expired)
         # | ("withdraw", RecvRegistration, None | (port, handshake future))
         self.reg_send_inbox: queue.SimpleQueue[tuple[str, Any, Any]] = queue.SimpleQueue()
@@ -66,9 +71,9 @@ class Consumer:
         if t is None or t.reg is not r or t.state is not State.REGISTERED:
             return  # cancelled, expired or already sent while the handshake ran
         try:
-            self.w.peers.load(r.remote_host, replay[0], replay[1])
+            self.s.peers.load(r.remote_host, replay[0], replay[1])
         except (HandshakeError, TransportError) as e:
-            self.w.stats["handshake_failed"] += 1
+            self.s.stats["handshake_failed"] += 1
             self._end(t, State.FAILED, "failed", f"handshake with P failed: {e}")
             return
         self._try_send(t, recheck=False)
@@ -77,11 +82,11 @@ class Consumer:
         if r.request_id in self.recvs:
             log.warning("request %s registered twice; ignoring the second", r.request_id)
             return
-        t = RecvTransfer(r, stats=self.w.stats)
+        t = RecvTransfer(r, stats=self.s.stats)
         self.recvs[r.request_id] = t
         entered(t, t.name)
         try:
-            validate_block_ids(self.w.layout, r.block_ids)
+            validate_block_ids(self.s.layout, r.block_ids)
         except LayoutError as e:
             self._end(t, State.FAILED, "failed", f"bad local block ids: {e}")
             return
@@ -92,27 +97,27 @@ class Consumer:
         r = t.reg
         ranks = self._p_ranks(r)
         peers = [
-            self.w.peers.ensure(r.remote_host, port, self._replay(r, port)) for port, _ in ranks
+            self.s.peers.ensure(r.remote_host, port, self._replay(r, port)) for port, _ in ranks
         ]
         ready = [p for p in peers if p is not None]
         if len(ready) < len(peers):
             return
-        stale = [p for p in ready if self.w.peers.silent(p) and not self._in_use(p.agent)]
+        stale = [p for p in ready if self.s.peers.silent(p) and not self._in_use(p.agent)]
         if recheck and stale:
             # Silent P ranks may have restarted as new agents: handshake again first.
             for p in stale:
-                self.w.peers.forget(p.agent)
+                self.s.peers.forget(p.agent)
             self._try_send(t, recheck=False)
             return
         try:
             for peer in ready:
-                self.w.peers.check_from(peer)
+                self.s.peers.check_from(peer)
         except LayoutError as e:
             self._end(t, State.FAILED, "failed", f"prefiller's KV layout is incompatible: {e}")
             return
         msg = self._push_reg(r)
         for peer, (_, src) in zip(ready, ranks, strict=True):
-            if not self.w.notify(peer.agent, self._with_lane(t, msg, peer, src)):
+            if not self.s.notify(peer.agent, self._with_lane(t, msg, peer, src)):
                 self._end(
                     t, State.FAILED, "failed", f"could not send the registration to {peer.agent}"
                 )
@@ -127,14 +132,14 @@ class Consumer:
 
     def _with_lane(self, t: RecvTransfer, msg: wire.PushReg, peer: Peer, src: bool) -> wire.PushReg:
         """``msg`` with a word of our lane for a source that can copy into us directly."""
-        lane = self.w.lane
+        lane = self.lane
         if lane is None or not src or peer.info.peer_copy is None:
             return msg
-        if not peer.info.host_id or peer.info.host_id != self.w.info.host_id:
+        if not peer.info.host_id or peer.info.host_id != self.host_id:
             return msg  # another host: it WRITEs and notifies over NIXL
         got = lane.reserve((t.rid, peer.agent))
         if got is None:
-            self.w.stats["lane_full"] += 1
+            self.s.stats["lane_full"] += 1
             return msg
         t.lanes.append(got[0])
         return msgspec.structs.replace(msg, lane=wire.LaneSlot(*got))
@@ -142,11 +147,11 @@ class Consumer:
     def poll_lane(self) -> int:
         """End the receives whose sources' copies wrote their lane words; returns how many
         words were seen."""
-        lane = self.w.lane
+        lane = self.lane
         if lane is None or not lane.waiting:
             return 0
         seen = lane.poll()
-        self.w.stats["lane_done"] += len(seen)
+        self.s.stats["lane_done"] += len(seen)
         for rid, agent in seen:
             t = self.recvs.get(rid)
             if t is not None:
@@ -166,8 +171,8 @@ class Consumer:
 
     def _p_ranks(self, r: RecvRegistration) -> list[tuple[int, bool]]:
         """(side-channel port, writes to us) of each P rank; port = rank 0's + stage * tp + rank."""
-        cfg = self.w.config
-        srcs = d_sources(cfg.tp_rank, cfg.tp_size, r.remote_tp_size, self.w.layout.attention)
+        cfg = self.s.config
+        srcs = d_sources(cfg.tp_rank, cfg.tp_size, r.remote_tp_size, self.s.layout.attention)
         return [
             (r.remote_port + stage * r.remote_tp_size + i, i in srcs)
             for stage in range(r.remote_pp_size)
@@ -175,7 +180,7 @@ class Consumer:
         ]
 
     def _push_reg(self, r: RecvRegistration) -> wire.PushReg:
-        cfg = self.w.config
+        cfg = self.s.config
         return wire.PushReg(
             request_id=r.request_id,
             decode_engine_id=cfg.engine_id,
@@ -197,7 +202,7 @@ class Consumer:
             # Registrations and cancels share one FIFO: the receive already ended and its
             # outcome went out. The scheduler turns that outcome into the release; a second
             # report of the same id would crash vLLM's scheduler (it asserts one report).
-            self.w.stats["cancel_after_end"] += 1
+            self.s.stats["cancel_after_end"] += 1
             return
         t.aborted = t.aborted or not expired
         if t.state is State.AWAITING:
@@ -222,7 +227,7 @@ class Consumer:
         if replay is not None:
             ports = [replay[0]]
             try:
-                self.w.peers.load(r.remote_host, replay[0], replay[1])
+                self.s.peers.load(r.remote_host, replay[0], replay[1])
             except (HandshakeError, TransportError) as e:
                 log.info(
                     "withdrawal of %s not sent to %s:%d: %s",
@@ -237,15 +242,15 @@ class Consumer:
             trace.mark("d_consumer.withdraw", r.transfer_id, r.request_id)
         for port in ports:
             replayed = self._replay(r, port, "withdraw")
-            peer = self.w.peers.ensure(r.remote_host, port, replayed)
-            if peer is not None and self.w.notify(peer.agent, cancel):
-                self.w.stats["withdrawn"] += 1
+            peer = self.s.peers.ensure(r.remote_host, port, replayed)
+            if peer is not None and self.s.notify(peer.agent, cancel):
+                self.s.stats["withdrawn"] += 1
 
     def _cancel_sources(self, t: RecvTransfer) -> None:
         """Ask every P rank to stop; wait (CANCELLING) for the sources still writing."""
         cancel = wire.PushCancel(request_id=t.rid, transfer_id=t.reg.transfer_id)
         for agent in t.agents:
-            if not self.w.notify(agent, cancel) and agent in t.sources:
+            if not self.s.notify(agent, cancel) and agent in t.sources:
                 t.done_from.add(agent)  # gone: nothing of it will land any more
         transition(t, State.CANCELLING, t.name, "waiting for P ranks to confirm")
 
@@ -262,7 +267,7 @@ class Consumer:
     def on_completion(self, sender: str, c: wire.Completion) -> None:
         t = self.recvs.get(c.request_id)
         if t is None:
-            self.w.stats["completion_unknown"] += 1
+            self.s.stats["completion_unknown"] += 1
             log.warning("completion for unknown request %s from %s", c.request_id, sender)
             return
         self._completed(t, sender)
@@ -270,7 +275,7 @@ class Consumer:
     def _completed(self, t: RecvTransfer, sender: str) -> None:
         """A source says every byte of its part is in our blocks (or nothing was due)."""
         if sender not in t.sources or sender in t.done_from:
-            self.w.stats["completion_wrong_sender"] += 1
+            self.s.stats["completion_wrong_sender"] += 1
             log.warning(
                 "completion for %s from %s, expected one from %s",
                 t.rid,
@@ -284,13 +289,13 @@ class Consumer:
             return
         if t.quiet:
             self._end(t, State.DONE, "recv")
-            self.w.stats["recv_done"] += 1
-            self.w.stats["recv_bytes"] += self._nbytes(t)
+            self.s.stats["recv_done"] += 1
+            self.s.stats["recv_bytes"] += self._nbytes(t)
 
     def on_push_fail(self, sender: str, f: wire.PushFail) -> None:
         t = self.recvs.get(f.request_id)
         if t is None or sender not in t.agents:
-            self.w.stats["fail_unknown"] += 1
+            self.s.stats["fail_unknown"] += 1
             log.warning("PUSH_FAIL for unknown request %s from %s", f.request_id, sender)
             return
         if sender in t.sources:
@@ -305,7 +310,7 @@ class Consumer:
         for e in hb.entries:
             t = self.recvs.get(e.request_id)
             if t is not None and sender in t.agents:
-                self.w.emit("renewed", t.rid)
+                self.s.emit("renewed", t.rid)
 
     def on_timer(self, now: float) -> None:
         del now
@@ -315,12 +320,12 @@ class Consumer:
                 for agent in t.agents:
                     held[agent].append(wire.HbEntry(t.rid, t.reg.transfer_id))
         for agent, entries in held.items():
-            self.w.notify(agent, wire.Heartbeat(entries=entries))
+            self.s.notify(agent, wire.Heartbeat(entries=entries))
 
     def _nbytes(self, t: RecvTransfer) -> int:
         per = self._block_bytes
         if per is None:  # once: a model has hundreds of regions, a receive ends every step
-            layout = self.w.layout
+            layout = self.s.layout
             per = self._block_bytes = [0] * layout.groups
             for i, r in enumerate(layout.regions):
                 per[r.group] += layout.logical_bytes(i)
@@ -332,12 +337,12 @@ class Consumer:
         transition(t, state, t.name, reason)
         if state is State.FAILED or state is State.EXPIRED:
             log.warning("receive %s ended %s: %s", t.name, state.value, reason)
-            self.w.stats["recv_failed" if state is State.FAILED else "recv_expired"] += 1
+            self.s.stats["recv_failed" if state is State.FAILED else "recv_expired"] += 1
         elif state is State.DONE and was is State.AWAITING and t.sent_at:
-            self.w.observe("kv_wait_seconds", time.monotonic() - t.sent_at)
+            self.s.observe("kv_wait_seconds", time.monotonic() - t.sent_at)
         if self.recvs.pop(t.rid, None) is t and t.laned:
             self.laned -= 1
-        if self.w.lane is not None:
+        if self.lane is not None:
             for slot in t.lanes:
-                self.w.lane.release(slot)
-        self.w.emit(kind, t.rid, reason)
+                self.lane.release(slot)
+        self.s.emit(kind, t.rid, reason)

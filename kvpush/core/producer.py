@@ -27,15 +27,23 @@ from kvpush.core.sender import Sender
 from kvpush.core.types import ENDED, Poll, StagedBlocks, State, transition
 
 if TYPE_CHECKING:
+    from kvpush.core.peer_copy import PeerCopyHook
     from kvpush.core.peers import Peer
-    from kvpush.core.worker import PushWorker
+    from kvpush.core.shared import Shared
+    from kvpush.core.transport import Transport
 
 log = logging.getLogger(__name__)
 
 
 class Producer:
-    def __init__(self, worker: PushWorker) -> None:
-        self.w = worker
+    def __init__(
+        self,
+        shared: Shared,
+        transport: Transport,
+        limits: list[int],
+        peer_copy: PeerCopyHook | None = None,
+    ) -> None:
+        self.s = shared
         # (transfer or None for a prefetch, host, port, handshake future)
         self.deferred_push_inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.staged: MatchTable[PRequest] = MatchTable()  # requests missing registrations
@@ -46,16 +54,16 @@ class Producer:
         self.evicted_unknown: set[str] = set()  # evicted before their blocks reached us
         self.withdrawn: dict[str, float] = {}  # transfer ids D withdrew before we staged them
         self.outbox: dict[tuple[str, int], list[wire.Message]] = defaultdict(list)
-        w = worker
-        self.copy = CopyPath(w.peer_copy, w.peers, w.limits, w.stats)
+        s = shared
+        self.copy = CopyPath(peer_copy, s.peers, limits, s.stats)
         self.sender = Sender(
-            w.peers,
-            w.transport,
+            s.peers,
+            transport,
             self.copy,
-            w.layout,
-            w.config.tp_size,
-            w.stats,
-            w.observe,
+            s.layout,
+            s.config.tp_size,
+            s.stats,
+            s.observe,
             self._replay,
             self._finish,
             self._fail,
@@ -77,8 +85,8 @@ class Producer:
             log.warning("request %s staged twice; ignoring the second", staged.request_id)
             return
         if self.withdrawn.pop(staged.transfer_id or "", None) is not None:
-            self.w.stats["withdrawn"] += 1
-            self.w.emit("sent", staged.request_id)  # D will never ask for it
+            self.s.stats["withdrawn"] += 1
+            self.s.emit("sent", staged.request_id)  # D will never ask for it
             return
         # The common case first: D's registration of this transfer id came first and its
         # copy is armed: copy now, keep the books after (the copy runs meanwhile).
@@ -106,7 +114,7 @@ class Producer:
         preq = self.by_prid.get(prid)
         if preq is None:
             self.evicted_unknown.add(prid)
-            self.w.emit("sent", prid)  # nothing of ours holds it
+            self.s.emit("sent", prid)  # nothing of ours holds it
             return
         preq.ended = True
         self.staged.pop_value(preq)
@@ -118,7 +126,7 @@ class Producer:
             elif polled is Poll.WAITING:
                 transition(leg, State.EXPIRED, leg.name, "lease expired")
                 if leg.reg is not None:
-                    self.w.stats["lease_expired"] += 1
+                    self.s.stats["lease_expired"] += 1
                 self._fail_to_d(leg, "lease expired on the prefiller")
                 self._finish(leg)
         self._maybe_done(preq)
@@ -128,17 +136,17 @@ class Producer:
         partition looks like a dead D, but the WRITE would go on once the link is back.
         Disconnecting D ends it in error (then its blocks are freed as for any failed
         WRITE) and the next push to D handshakes afresh."""
-        peer = self.w.peers.by_agent.get(t.sender)
-        if t.copy is None and peer is not None and self.w.peers.silent(peer):
+        peer = self.s.peers.by_agent.get(t.sender)
+        if t.copy is None and peer is not None and self.s.peers.silent(peer):
             log.warning("push %s: D %s silent for the whole lease; disconnecting", t.name, t.sender)
-            self.w.peers.forget(t.sender)
+            self.s.peers.forget(t.sender)
 
     def on_deferred(self, item: tuple[PushTransfer | None, str, int, Future[Any]]) -> None:
         t, host, port, fut = item
         try:
-            peer = self.w.peers.load(host, port, fut)
+            peer = self.s.peers.load(host, port, fut)
         except (HandshakeError, TransportError) as e:
-            self.w.stats["handshake_failed"] += 1
+            self.s.stats["handshake_failed"] += 1
             dropped = self.outbox.pop((host, port), [])
             log.warning(
                 "push_handshake_failed %s:%d: %s (%d notices dropped)", host, port, e, len(dropped)
@@ -148,7 +156,7 @@ class Producer:
                 self._finish(t)
             return
         for msg in self.outbox.pop((host, port), []):
-            self.w.notify(peer.agent, msg)
+            self.s.notify(peer.agent, msg)
         if t is not None:
             self.sender.push(t)
 
@@ -160,7 +168,7 @@ class Producer:
         dkey = (sender, reg.request_id)
         key = Key(reg.request_id, reg.transfer_id)
         if dkey in self.tombstones:
-            self.w.stats["reg_after_cancel"] += 1
+            self.s.stats["reg_after_cancel"] += 1
             log.warning("registration %s from %s arrived after its cancel; ignored", key, sender)
             return
         if not self._trusted(sender, reg):
@@ -168,7 +176,7 @@ class Producer:
         group = self.pending_regs.find(key)
         rank = reg.decode_tp_rank
         if dkey in self.by_dkey or (group is not None and rank in group.regs):
-            self.w.stats["reg_duplicate"] += 1
+            self.s.stats["reg_duplicate"] += 1
             log.warning("duplicate registration %s from %s ignored", key, sender)
             return
         # The decoder checked the ids for duplicates; D's layout checks the range at WRITE.
@@ -190,24 +198,24 @@ class Producer:
 
     def _trusted(self, sender: str, reg: wire.PushReg) -> bool:
         """A registration may only name a decoder on the allowlist; nothing else is contacted."""
-        allow = self.w.config.trusted_decoders
+        allow = self.s.config.trusted_decoders
         where = f"{reg.decode_host}:{reg.decode_port}"
         if allow is None or where in allow:
             return True
-        self.w.stats["reg_untrusted"] += 1
+        self.s.stats["reg_untrusted"] += 1
         log.warning(
             "registration %s from %s names untrusted decoder %s; refused",
             reg.request_id,
             sender,
             where,
         )
-        if sender in self.w.peers.by_agent:  # a peer we already trust can hear why
-            self.w.notify(sender, self._fail_msg(reg, f"decoder {where} is not trusted"))
+        if sender in self.s.peers.by_agent:  # a peer we already trust can hear why
+            self.s.notify(sender, self._fail_msg(reg, f"decoder {where} is not trusted"))
         return False
 
     def on_cancel(self, sender: str, msg: wire.PushCancel) -> None:
         dkey = (sender, msg.request_id)
-        self.tombstones[dkey] = time.monotonic() + self.w.config.registration_ttl_s
+        self.tombstones[dkey] = time.monotonic() + self.s.config.registration_ttl_s
         if msg.withdrawn:
             self._withdraw(msg.transfer_id)
             return
@@ -215,7 +223,7 @@ class Producer:
             request_id=msg.request_id,
             reason="cancelled",
             transfer_id=msg.transfer_id,
-            tp_rank=self.w.config.tp_rank,
+            tp_rank=self.s.config.tp_rank,
         )
         key = Key(msg.request_id, msg.transfer_id)
         group = self.pending_regs.find(key)
@@ -228,8 +236,8 @@ class Producer:
             return
         t = self.by_dkey.get(dkey)
         if t is None:
-            if sender in self.w.peers.by_agent:  # nothing of ours can touch its blocks
-                self.w.notify(sender, ack)
+            if sender in self.s.peers.by_agent:  # nothing of ours can touch its blocks
+                self.s.notify(sender, ack)
             return
         if t.poll() is Poll.TRANSFERRING:
             t.cancelled = True  # the WRITE's completion or failure answers D
@@ -248,9 +256,9 @@ class Producer:
             return  # matched by request id alone: leave it to the lease
         preq = self.staged.by_tid(tid)
         if preq is None:
-            self.withdrawn[tid] = time.monotonic() + self.w.config.registration_ttl_s
+            self.withdrawn[tid] = time.monotonic() + self.s.config.registration_ttl_s
         elif not preq.legs:  # no other D rank registered: nothing can be writing
-            self.w.stats["withdrawn"] += 1
+            self.s.stats["withdrawn"] += 1
             self.on_evict(preq.prid)
 
     def on_heartbeat(self, sender: str, hb: wire.Heartbeat) -> None:
@@ -259,18 +267,18 @@ class Producer:
             key = Key(e.request_id, e.transfer_id)
             preq = leg.preq if leg is not None else self.staged.find(key)
             if preq is not None:
-                self.w.emit("renewed", preq.prid)
+                self.s.emit("renewed", preq.prid)
 
     # ---- timers --------------------------------------------------------------------------
 
     def on_timer(self, now: float) -> None:
-        ttl = self.w.config.registration_ttl_s
+        ttl = self.s.config.registration_ttl_s
         for key, group in self.pending_regs.items():
             for rank, pend in list(group.regs.items()):
                 if now - pend.arrived <= ttl:
                     continue
                 del group.regs[rank]
-                self.w.stats["reg_expired"] += 1
+                self.s.stats["reg_expired"] += 1
                 log.warning("registration %s waited %.0fs for prefill blocks; failing it", key, ttl)
                 self._send_to(pend.reg, self._fail_msg(pend.reg, "no prefill blocks in time"))
             if not group.regs:
@@ -284,8 +292,8 @@ class Producer:
         for (sender, d_rid), t in self.by_dkey.items():
             held[sender].append(wire.HbEntry(d_rid, t.tid))
         for sender, entries in held.items():
-            if sender in self.w.peers.by_agent:
-                self.w.notify(sender, wire.Heartbeat(entries=entries))
+            if sender in self.s.peers.by_agent:
+                self.s.notify(sender, wire.Heartbeat(entries=entries))
 
     # ---- matching and writing ------------------------------------------------------------
 
@@ -295,10 +303,10 @@ class Producer:
         if preq.expected is None:
             preq.expected = reg.decode_tp_size
         if reg.decode_tp_size != preq.expected or reg.decode_tp_rank in preq.legs:
-            self.w.stats["reg_invalid"] += 1
+            self.s.stats["reg_invalid"] += 1
             self._send_to(reg, self._fail_msg(reg, "inconsistent or repeated D rank"))
             return
-        leg = PushTransfer(preq.prid, preq.blocks, preq.tid, preq=preq, stats=self.w.stats)
+        leg = PushTransfer(preq.prid, preq.blocks, preq.tid, preq=preq, stats=self.s.stats)
         leg.reg, leg.sender, leg.dst, leg.armed = reg, pend.sender, pend.dst, pend.armed
         if early is not None and pend.armed is None:
             leg.early = early
@@ -317,7 +325,7 @@ class Producer:
         log.warning("push %s failed: %s", t.name, reason)
         transition(t, State.FAILED, t.name, reason)
         if peer is not None and t.reg is not None:
-            self.w.notify(peer.agent, self._fail_msg(t.reg, reason))
+            self.s.notify(peer.agent, self._fail_msg(t.reg, reason))
         self._finish(t)
 
     def _fail_to_d(self, t: PushTransfer, reason: str) -> None:
@@ -329,20 +337,20 @@ class Producer:
             request_id=reg.request_id,
             reason=reason,
             transfer_id=reg.transfer_id,
-            tp_rank=self.w.config.tp_rank,
+            tp_rank=self.s.config.tp_rank,
         )
 
     def _send_to(self, reg: wire.PushReg, msg: wire.Message) -> None:
         """Notify the D of ``reg``, after its handshake if that is still running."""
-        peer = self.w.peers.get(reg.decode_host, reg.decode_port)
+        peer = self.s.peers.get(reg.decode_host, reg.decode_port)
         if peer is not None:
-            self.w.notify(peer.agent, msg)
+            self.s.notify(peer.agent, msg)
             return
         self.outbox[(reg.decode_host, reg.decode_port)].append(msg)
         self._prefetch(reg.decode_host, reg.decode_port)
 
     def _prefetch(self, host: str, port: int) -> None:
-        self.w.peers.ensure(host, port, self._replay(None, host, port))
+        self.s.peers.ensure(host, port, self._replay(None, host, port))
 
     def _replay(
         self, t: PushTransfer | None, host: str, port: int
@@ -352,8 +360,8 @@ class Producer:
 
     def _feeds(self, reg: wire.PushReg) -> bool:
         """This P rank holds some of what that D rank needs (``routing.p_targets``)."""
-        cfg = self.w.config
-        targets = p_targets(cfg.tp_rank, cfg.tp_size, reg.decode_tp_size, self.w.layout.attention)
+        cfg = self.s.config
+        targets = p_targets(cfg.tp_rank, cfg.tp_size, reg.decode_tp_size, self.s.layout.attention)
         return reg.decode_tp_rank in targets
 
     def _finish(self, t: PushTransfer) -> None:
@@ -371,4 +379,4 @@ class Producer:
         if self.by_prid.pop(preq.prid, None) is None:
             return
         self.staged.pop_value(preq)
-        self.w.emit("sent", preq.prid)
+        self.s.emit("sent", preq.prid)

@@ -30,6 +30,7 @@ from kvpush.core.layout import KVLayout, group_limits
 from kvpush.core.peer_copy import PeerCopyHook
 from kvpush.core.peers import PeerTable
 from kvpush.core.producer import Producer
+from kvpush.core.shared import Shared
 from kvpush.core.transport import Transport
 from kvpush.core.types import StagedBlocks, StepMeta, WorkerConfig, WorkerOutput
 
@@ -99,8 +100,11 @@ class PushWorker:
             peer_copy,
             self.info.host_id,
         )
-        self.producer = Producer(self)
-        self.consumer = Consumer(self)
+        shared = Shared(
+            config, layout, self.stats, self.peers, self.notify, self.emit, self.observe
+        )
+        self.producer = Producer(shared, transport, self.limits, peer_copy)
+        self.consumer = Consumer(shared, self.lane, self.info.host_id)
         self._poll_s = config.poll_interval_s
         self._next_timers = 0.0
         # Nothing outstanding: get_finished ticks only when due (idle_poll_s); new work

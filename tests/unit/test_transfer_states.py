@@ -304,7 +304,7 @@ def stepped_p(connected: bool = True) -> tuple[Any, StubP, PushTransfer]:
     from kvpush.core.types import StagedBlocks
 
     w = StubP(connected)
-    p = Producer(w)  # type: ignore[arg-type]
+    p = Producer(w, w, w.limits)  # type: ignore[arg-type]
     p.on_finished(StagedBlocks("p1", [[5, 6]], "t1"))
     reg = wire.PushReg(
         request_id="d1",
