@@ -31,7 +31,7 @@ from kvpush.deploy.servers import (
     wait_healthy,
 )
 from kvpush.tiny_model import make_tiny_model
-from tests.conftest import wait_no_kv_in_use
+from tests.conftest import wait_no_kv_in_use, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -96,8 +96,14 @@ def test_token_identical_and_both_prefillers_used(env: dict[str, Any]) -> None:
         got, ref = send(env["router"].url, env["model"], prompt), env["ref"][prompt]
         assert got.ok and ref.ok, (got.error, ref.error)
         assert got.token_ids == ref.token_ids, (got.text, ref.text)
-    sent = [metric(s.url, SENT) - b for s, b in zip((p1, p2), before, strict=False)]
-    assert min(sent) >= 1 and sum(sent) == len(PROMPTS), sent  # round robin: both pushed
+
+    def sent() -> list[float]:
+        return [metric(s.url, SENT) - b for s, b in zip((p1, p2), before, strict=False)]
+
+    # P's counters reach its /metrics with the engine's next stats, a moment after D's
+    # answer: wait for the last ones rather than read once.
+    wait_until(lambda: sum(sent()) >= len(PROMPTS), 10, what="P's push counters")
+    assert min(sent()) >= 1 and sum(sent()) == len(PROMPTS), sent()  # round robin: both pushed
     assert metric(d.url, RECEIVED) - before[2] == len(PROMPTS)  # every KV came by push
 
 
