@@ -226,14 +226,15 @@ def section(res: dict[str, Any]) -> str:
         f" raw >= 0.9 on the same link: the large KV's lowest ratio is {worst}.",
         "",
         "Small KV (the prompt cases) is set by polling, not by the link: over TCP both P's"
-        " WRITE completion and the landing of the bytes need D's side to call into UCX, and",
-        "kvpush's D worker polls every 0.1 ms backing off to 2 ms (`max_poll_interval_s`),",
-        "P's worker progresses on engine steps (1 ms here) and D learns of the end on",
-        "its next step; raw NIXL busy-polls on both sides. In a separate check on the same",
-        "link (2026-12-01, 30 rounds) kvpush's KV-ready for 2 / 8 blocks was 3.2 / 3.2 ms",
-        "against raw 0.8 / 1.3 ms, and 2.1 / 2.1 ms with both workers' backoff capped at",
-        "0.1 ms. Once the link is the bottleneck (100 Mbit/s, 450 tokens) the gap is under",
-        "12 %. Numbers swing widely between runs on this shared 2-core machine.",
+        " WRITE completion and the landing of the bytes need D's side to call into UCX. Until",
+        "2026-12-01 this benchmark stepped kvpush's engines every 1 ms, and kvpush's KV-ready",
+        "for 2 / 8 blocks was 3.2 / 3.2 ms against raw 0.8 / 1.3 ms: the harness's cadence, not",
+        "kvpush's. Stepped as vLLM's engines are while a push is pending, the KV-ready medians",
+        "are at raw's (table). Single rounds of the small cases swing from 1/50x to 20x either",
+        "way on this shared 2-core machine, so their paired ratios move between runs. At full",
+        "veth speed the large KV is CPU-bound on the two cores (raw P busy-polls in C, kvpush's",
+        "ticks are Python and pause 0.5 ms after 5 ms of empty steps); the run with 1 ms steps",
+        "had it at 0.999x, this one at the figure above, 3 rounds each.",
         "",
     ]
     return "\n".join(out) + "\n"
