@@ -230,6 +230,10 @@ async def _until_decode_done(prefill: asyncio.Task[Any], decode: asyncio.Task[T]
     return decode.result()
 
 
+def _succeeded(task: asyncio.Task[Any]) -> bool:
+    return task.done() and not task.cancelled() and task.exception() is None
+
+
 def _refusal(task: asyncio.Task[Any]) -> legs.LegError | None:
     if not task.done() or task.cancelled():
         return None
@@ -341,10 +345,16 @@ async def _serve_stream(
         pump: asyncio.Task[bool] | None = None
         try:
             await out.prepare(request)
-            pump = asyncio.create_task(
-                timed(metrics, d, sse.pump(upstream, out, "decode", cfg.timeout, first))
-            )
-            ok = await replies.relayed(app, out, tid, _until_decode_done(prefill, pump), verdict)
+            relay = timed(metrics, d, sse.pump(upstream, out, "decode", cfg.timeout, first))
+            if _succeeded(prefill):
+                # The usual case (D's first token waits for P's KV): nothing left to
+                # watch but the stream, relayed right here (no task, no wait per request).
+                ok = await replies.relayed(app, out, tid, relay, verdict)
+            else:
+                pump = asyncio.create_task(relay)
+                ok = await replies.relayed(
+                    app, out, tid, _until_decode_done(prefill, pump), verdict
+                )
         except ConnectionError:
             log.info("transfer %s: client went away mid-stream", tid)
         finally:
