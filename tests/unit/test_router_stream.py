@@ -26,7 +26,9 @@ def prefill_answering(after: asyncio.Event | None) -> web.Application:
     return stub(prefill)
 
 
-async def events_of(url: str, cl: aiohttp.ClientSession, first: asyncio.Event | None = None) -> list[bytes]:
+async def events_of(
+    url: str, cl: aiohttp.ClientSession, first: asyncio.Event | None = None
+) -> list[bytes]:
     events: list[bytes] = []
     async with asyncio.timeout(2 * DEADLINE):
         async with cl.post(url + "/v1/completions", json=completion_body(True)) as resp:
