@@ -109,9 +109,12 @@ def cpu_seconds(pgid: int) -> float:
     return total
 
 
-def router_argv(name: str, port: int, p_url: str, d_url: str) -> list[str]:
+def router_argv(
+    name: str, port: int, p_url: str, d_url: str, cprofile: str | None = None
+) -> list[str]:
     if name == "kvpush":
-        argv = [sys.executable, "-m", "kvpush.cli", "router", "--port", str(port)]
+        prof = ["-m", "cProfile", "-o", cprofile] if cprofile else []
+        argv = [sys.executable, *prof, "-m", "kvpush.cli", "router", "--port", str(port)]
         return argv + ["--prefill", p_url, "--decode", d_url]
     exe = shutil.which("vllm-router", path=str(Path(sys.executable).parent)) or "vllm-router"
     argv = [exe, "--vllm-pd-disaggregation", "--host", "127.0.0.1", "--port", str(port)]
@@ -182,7 +185,7 @@ def bench_router(
     url = urls["decode"]
     if name != "direct":
         port = free_port()
-        argv = router_argv(name, port, urls["prefill"], urls["decode"])
+        argv = router_argv(name, port, urls["prefill"], urls["decode"], args.cprofile)
         proc = start(pinned(argv, args.router_cpus), logs / f"router-{name}.log")
         url = f"http://127.0.0.1:{port}"
     groups = dict(fakes, **({"router": proc.pid} if proc else {}))
@@ -345,6 +348,7 @@ def main() -> int:
         help="start every stream at once, no pause between requests (lockstep)",
     )
     ap.add_argument("--profile", metavar="DIR", help="py-spy each router over each level")
+    ap.add_argument("--cprofile", metavar="FILE", help="run kvpush's router under cProfile")
     ap.add_argument("--py-spy", default=shutil.which("py-spy") or "py-spy")
     ap.add_argument("--log-dir", default="/tmp/router-bench")
     ap.add_argument("--json")

@@ -142,22 +142,5 @@ def run(args: argparse.Namespace) -> int:
         port=args.port,
         access_log=None,
         handler_cancellation=True,
-        loop=event_loop(),
     )
     return 0
-
-
-def event_loop() -> Any:
-    """uvloop's event loop where it is installed (vLLM depends on it): the router spends
-    most of its CPU in the loop and in socket writes, which uvloop does in C; else
-    asyncio's own. KVPUSH_ROUTER_LOOP=asyncio forces asyncio's."""
-    import asyncio
-
-    if os.environ.get("KVPUSH_ROUTER_LOOP", "") != "asyncio":
-        try:
-            import uvloop
-        except ImportError:
-            pass
-        else:
-            return uvloop.new_event_loop()
-    return asyncio.new_event_loop()
