@@ -1,16 +1,22 @@
 #!/usr/bin/env python3
 """What a router adds to time-to-first-token: kvpush router and vllm-router side by side.
 
-Both routers front the same two fake upstreams (this file's ``upstream`` command, each its
-own process): a prefiller that answers at once (``--prefill-ms``, 0 by default) and a
-decoder that streams ``--tokens`` chunks ``--gap-ms`` apart, the first one at once. The
-decoder puts its own receive and first-send wall-clock times into its first chunk, so
-each request's added latency is the client's TTFT minus the upstream's (same host, same
-clock). ``direct`` (the client straight to the fake decoder) is what the harness itself
-adds; a router's own cost is its cell minus direct's. Levels of concurrent streams run
-closed-loop (each stream sends its next request when the previous one ended); every
-request is counted, failures too. CPU per request is the router's processes'
-user+system time over the level divided by its requests.
+Both routers front the same two fake upstreams (``upstream``, each its own process, see
+router_bench_io.py): a prefiller that answers at once (``--prefill-ms``, 0 by default)
+and a decoder that streams ``--tokens`` events ``--gap-ms`` apart, the first at once,
+from precomputed bytes. The decoder stamps its first event with when it had the request
+and when it wrote that event (CLOCK_MONOTONIC, one clock for every process here), so
+each request's added latency is the client's TTFT minus the decoder's, split into
+client->D (send to D's receipt) and D->client (D's first write to the client's receipt).
+``direct`` (the client straight to the fake decoder) is what the harness adds by itself.
+
+Closed loop: each stream sends its next request when the previous one ended, after a
+random pause of up to one gap; streams start spread over one stream's length. Every
+level begins with one uncounted request per stream (connections opened), the same for
+every contender; every measured request is counted, failures too. The router runs on
+``--router-cpus``, the client and upstreams on ``--harness-cpus`` (taskset). CPU per
+request is each process group's scheduler time (/proc/*/task/*/schedstat) over the
+level divided by its requests.
 
     python scripts/router_bench.py --levels 1,64,256 --json out.json --plot out.png
 
