@@ -102,7 +102,11 @@ class Upstream(asyncio.Protocol):
             self._send(_MODELS)
         elif method == "GET" and path == "/metrics":
             self._send(_METRICS)
-        elif method == "POST" and path.startswith("/v1/"):
+        elif method == "POST" and path.endswith("/render"):
+            # vllm-router asks for a rendered prompt first; vLLM 0.32 without
+            # --enable-scale-out refuses at once, as here.
+            self._send(_RENDER_OFF)
+        elif method == "POST" and path in ("/v1/completions", "/v1/chat/completions"):
             streamed = b'"stream":true' in body.replace(b" ", b"")
             if self.role == "prefill" or not streamed:
                 if self.prefill_s:
@@ -143,6 +147,12 @@ _DONE = _chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n"
 _STREAM_HEAD = (
     b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\n"
     b"Transfer-Encoding: chunked\r\n\r\n"
+)
+_RENDER_OFF = _response(
+    "403 Forbidden",
+    "application/json",
+    b'{"error":{"message":"Scale-out endpoints are disabled.","type":"PermissionDeniedError",'
+    b'"code":403}}',
 )
 _HEALTH = _response("200 OK", "text/plain", b"")
 _CARD = {"id": MODEL, "object": "model", "owned_by": "fake", "max_model_len": 4096}
