@@ -215,6 +215,11 @@ async def _max_model_len(app: web.Application) -> int | None:
 async def _until_decode_done(prefill: asyncio.Task[Any], decode: asyncio.Task[T]) -> T:
     """Wait for the decode task; raise the prefill leg's error if it fails first."""
     while not decode.done():
+        if _succeeded(prefill):
+            # Nothing left to watch but D: awaiting its task wakes this one a loop turn
+            # sooner than asyncio.wait (the first event reaches the client sooner). A
+            # cancellation here cancels the decode task too, as the cleanup would.
+            return await decode
         waiting = {decode} if prefill.done() else {prefill, decode}
         await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
         # Checked before the decode result: a decode leg that fails because P failed
