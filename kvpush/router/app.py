@@ -54,7 +54,6 @@ Outcome = web.StreamResponse | legs.LegError  # a LegError: failed before the cl
 _MAX_REQUEST_BYTES = 64 * 1024 * 1024
 # How long to wait for D's own refusal once P refused (both validate the same fields).
 _REFUSAL_GRACE_S = 1.0
-_ASK_AGAIN_S = 10.0
 
 
 def make_app(config: RouterConfig) -> web.Application:
@@ -128,7 +127,7 @@ async def _proxy(request: web.Request, path: str, chat: bool) -> web.StreamRespo
     try:
         alone: str | None = "not_json"
         if isinstance(body, dict):
-            alone = bodies.decoder_alone(body, chat, await _max_model_len(app))
+            alone = bodies.decoder_alone(body, chat, await info.known_max_model_len(app))
         if alone is not None:
             metrics.decoder_alone(alone)
             log.debug("transfer %s: to the decoder alone (%s)", tid, alone)
@@ -198,18 +197,6 @@ async def _attempt(
     if stream:
         return await _serve_stream(request, path, dbody, dict(headers), prefill, tid, d, retry_ok)
     return await _serve_unary(request, path, dbody, dict(headers), prefill, tid, d)
-
-
-async def _max_model_len(app: web.Application) -> int | None:
-    """D's context length, from its /v1/models: asked once, or again every
-    `_ASK_AGAIN_S` while D cannot say (then None: no request waits on it)."""
-    limits = app[LIMITS]
-    now = time.monotonic()
-    if limits.get("max_model_len") is None and now >= (limits.get("ask_at") or 0.0):
-        limits["ask_at"] = now + _ASK_AGAIN_S
-        limits["max_model_len"] = await info.max_model_len(app)
-    value = limits.get("max_model_len")
-    return int(value) if value is not None else None
 
 
 async def _until_decode_done(prefill: asyncio.Task[Any], decode: asyncio.Task[T]) -> T:
