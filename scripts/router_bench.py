@@ -1,16 +1,22 @@
 #!/usr/bin/env python3
 """What a router adds to time-to-first-token: kvpush router and vllm-router side by side.
 
-Both routers front the same two fake upstreams (this file's ``upstream`` command, each its
-own process): a prefiller that answers at once (``--prefill-ms``, 0 by default) and a
-decoder that streams ``--tokens`` chunks ``--gap-ms`` apart, the first one at once. The
-decoder puts its own receive and first-send wall-clock times into its first chunk, so
-each request's added latency is the client's TTFT minus the upstream's (same host, same
-clock). ``direct`` (the client straight to the fake decoder) is what the harness itself
-adds; a router's own cost is its cell minus direct's. Levels of concurrent streams run
-closed-loop (each stream sends its next request when the previous one ended); every
-request is counted, failures too. CPU per request is the router's processes'
-user+system time over the level divided by its requests.
+Both routers front the same two fake upstreams (``upstream``, each its own process, see
+router_bench_io.py): a prefiller that answers at once (``--prefill-ms``, 0 by default)
+and a decoder that streams ``--tokens`` events ``--gap-ms`` apart, the first at once,
+from precomputed bytes. The decoder stamps its first event with when it had the request
+and when it wrote that event (CLOCK_MONOTONIC, one clock for every process here), so
+each request's added latency is the client's TTFT minus the decoder's, split into
+client->D (send to D's receipt) and D->client (D's first write to the client's receipt).
+``direct`` (the client straight to the fake decoder) is what the harness adds by itself.
+
+Closed loop: each stream sends its next request when the previous one ended, after a
+random pause of up to one gap; streams start spread over one stream's length. Every
+level begins with one uncounted request per stream (connections opened), the same for
+every contender; every measured request is counted, failures too. The router runs on
+``--router-cpus``, the client and upstreams on ``--harness-cpus`` (taskset). CPU per
+request is each process group's scheduler time (/proc/*/task/*/schedstat) over the
+level divided by its requests.
 
     python scripts/router_bench.py --levels 1,64,256 --json out.json --plot out.png
 
@@ -35,74 +41,9 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-import aiohttp
-from aiohttp import web
+from router_bench_io import install_uvloop, run_level, serve_upstream
 
-MODEL = "fake-model"
-
-
-# ---- fake upstreams ------------------------------------------------------------------------
-
-
-def upstream_app(role: str, tokens: int, gap_s: float, prefill_s: float) -> web.Application:
-    async def completions(request: web.Request) -> web.StreamResponse:
-        t_recv = time.time()
-        body = await request.json()
-        if role == "prefill" or not body.get("stream"):
-            if prefill_s:
-                await asyncio.sleep(prefill_s)  # the fake prefill's compute time
-            params = dict(body.get("kv_transfer_params") or {})
-            params.update(do_remote_prefill=True, do_remote_decode=False)
-            params.update(remote_host="127.0.0.1", remote_port=1, remote_engine_id="fake")
-            choice = {"index": 0, "text": "a", "finish_reason": "length", "logprobs": None}
-            return web.json_response(
-                {
-                    "id": "cmpl-fake",
-                    "object": "text_completion",
-                    "created": int(t_recv),
-                    "model": MODEL,
-                    "choices": [choice],
-                    "usage": {"prompt_tokens": 8, "completion_tokens": 1, "total_tokens": 9},
-                    "kv_transfer_params": params,
-                }
-            )
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
-        for i in range(tokens):
-            chunk: dict[str, Any] = {
-                "id": "cmpl-fake",
-                "object": "text_completion",
-                "created": int(t_recv),
-                "model": MODEL,
-                "choices": [{"index": 0, "text": " a", "finish_reason": None, "logprobs": None}],
-            }
-            if i == 0:
-                chunk["upstream"] = {"recv": t_recv, "first": time.time()}
-            await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
-            if i + 1 < tokens:
-                await asyncio.sleep(gap_s)
-        await resp.write(b"data: [DONE]\n\n")
-        await resp.write_eof()
-        return resp
-
-    async def health(_: web.Request) -> web.Response:
-        return web.Response(text="")
-
-    async def models(_: web.Request) -> web.Response:
-        card = {"id": MODEL, "object": "model", "owned_by": "fake", "max_model_len": 4096}
-        return web.json_response({"object": "list", "data": [card]})
-
-    app = web.Application()
-    app.router.add_post("/v1/completions", completions)
-    app.router.add_get("/health", health)
-    app.router.add_get("/v1/models", models)
-    return app
-
-
-def serve_upstream(args: argparse.Namespace) -> int:
-    app = upstream_app(args.role, args.tokens, args.gap_ms / 1e3, args.prefill_ms / 1e3)
-    web.run_app(app, host="127.0.0.1", port=args.port, print=None, access_log=None)
-    return 0
+LOOP = install_uvloop()  # the client's loop (the upstreams install it themselves)
 
 
 # ---- processes -------------------------------------------------------------------------------
@@ -145,71 +86,45 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
             proc.wait(10)
 
 
+def task_seconds(pid: int | str) -> float:
+    """CPU time of every thread of process `pid`, from the scheduler's own account
+    (/proc/PID/task/TID/schedstat, in ns): exact, where utime/stime are sampled at the
+    clock tick and charge a process woken by 10 ms timers unevenly."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            total += int((task / "schedstat").read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            continue  # gone meanwhile
+    return total / 1e9
+
+
 def cpu_seconds(pgid: int) -> float:
-    """User + system time of every live process in group ``pgid`` (a launcher and the
-    binary it runs both count), from /proc."""
-    ticks = 0
+    """CPU time of every live process in group ``pgid`` (a launcher and the binary it
+    runs both count)."""
+    total = 0.0
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
             fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            if int(fields[2]) == pgid:  # field 5 of stat: the process group
+                total += task_seconds(entry.name)
         except OSError:
             continue  # gone meanwhile
-        if int(fields[2]) == pgid:  # field 5 of stat: the process group
-            ticks += int(fields[11]) + int(fields[12])  # utime, stime
-    return ticks / os.sysconf("SC_CLK_TCK")
+    return total
 
 
-def router_argv(name: str, port: int, p_url: str, d_url: str) -> list[str]:
+def router_argv(
+    name: str, port: int, p_url: str, d_url: str, cprofile: str | None = None
+) -> list[str]:
     if name == "kvpush":
-        argv = [sys.executable, "-m", "kvpush.cli", "router", "--port", str(port)]
+        prof = ["-m", "cProfile", "-o", cprofile] if cprofile else []
+        argv = [sys.executable, *prof, "-m", "kvpush.cli", "router", "--port", str(port)]
         return argv + ["--prefill", p_url, "--decode", d_url]
     exe = shutil.which("vllm-router", path=str(Path(sys.executable).parent)) or "vllm-router"
     argv = [exe, "--vllm-pd-disaggregation", "--host", "127.0.0.1", "--port", str(port)]
     return argv + ["--prefill", p_url, "--decode", d_url, "--log-level", "warning"]
-
-
-# ---- client ----------------------------------------------------------------------------------
-
-
-async def one_request(session: aiohttp.ClientSession, url: str) -> dict[str, Any]:
-    body = {"model": MODEL, "prompt": "hello there", "max_tokens": 16, "stream": True}
-    start_t = time.time()
-    try:
-        async with session.post(url + "/v1/completions", json=body) as resp:
-            if resp.status != 200:
-                return {"ok": False, "error": f"HTTP {resp.status}"}
-            ttft = upstream = None
-            async for line in resp.content:
-                if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
-                    continue
-                if ttft is None:
-                    ttft = time.time() - start_t
-                    up = json.loads(line[6:]).get("upstream")
-                    upstream = None if up is None else up["first"] - up["recv"]
-            if ttft is None or upstream is None:
-                return {"ok": False, "error": "no first chunk with the upstream's times"}
-            return {"ok": True, "ttft": ttft, "added": ttft - upstream}
-    except (aiohttp.ClientError, OSError, TimeoutError) as e:
-        return {"ok": False, "error": f"{type(e).__name__}: {e}"}
-
-
-async def run_level(url: str, streams: int, requests: int) -> list[dict[str, Any]]:
-    results: list[dict[str, Any]] = []
-    left = requests
-
-    async def stream(session: aiohttp.ClientSession) -> None:
-        nonlocal left
-        while left > 0:
-            left -= 1
-            results.append(await one_request(session, url))
-
-    conn = aiohttp.TCPConnector(limit=0)
-    timeout = aiohttp.ClientTimeout(total=120)
-    async with aiohttp.ClientSession(connector=conn, timeout=timeout) as session:
-        await asyncio.gather(*(stream(session) for _ in range(streams)))
-    return results
 
 
 def pct(xs: list[float], q: float) -> float | None:
@@ -219,44 +134,114 @@ def pct(xs: list[float], q: float) -> float | None:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-def summarize(results: list[dict[str, Any]], cpu_s: float) -> dict[str, Any]:
-    added = [r["added"] * 1e3 for r in results if r["ok"]]
+def summarize(results: list[dict[str, Any]], cpu: dict[str, float], secs: float) -> dict[str, Any]:
+    """Added TTFT = (client first event - send) - (D's first write - D's receipt), split
+    into to_d (client send -> D has the request) and from_d (D's first write -> client)."""
+    ok = [r for r in results if r["ok"]]
+    added = [((r["first"] - r["send"]) - (r["d_first"] - r["d_recv"])) * 1e3 for r in ok]
+    to_d = [(r["d_recv"] - r["send"]) * 1e3 for r in ok]
+    from_d = [(r["first"] - r["d_first"]) * 1e3 for r in ok]
     errors = [r["error"] for r in results if not r["ok"]]
-    return {
+    n = max(1, len(results))
+    out: dict[str, Any] = {
         "requests": len(results),
         "failed": len(errors),
         "errors": sorted(set(errors))[:5],
+        "seconds": secs,
         "added_ms_p50": pct(added, 0.5),
         "added_ms_p99": pct(added, 0.99),
         "added_ms_mean": statistics.fmean(added) if added else None,
-        "cpu_ms_per_request": cpu_s * 1e3 / max(1, len(results)),
+        "to_d_ms_p50": pct(to_d, 0.5),
+        "to_d_ms_p99": pct(to_d, 0.99),
+        "from_d_ms_p50": pct(from_d, 0.5),
+        "from_d_ms_p99": pct(from_d, 0.99),
     }
+    for who, seconds in cpu.items():
+        out[f"{who}_cpu_ms_per_request"] = seconds * 1e3 / n
+    return out
 
 
-def bench_router(name: str, args: argparse.Namespace, p_url: str, d_url: str, logs: Path) -> Any:
+def brief(cell: dict[str, Any]) -> str:
+    def f(x: Any) -> str:
+        return "-" if x is None else f"{x:.2f}" if isinstance(x, float) else str(x)
+
+    keys = ("requests", "failed", "added_ms_p50", "added_ms_p99", "to_d_ms_p50", "from_d_ms_p50")
+    cpu = {k.split("_cpu")[0]: cell[k] for k in cell if k.endswith("cpu_ms_per_request")}
+    return (
+        " ".join(f"{k}={f(cell[k])}" for k in keys)
+        + " cpu_ms/req "
+        + " ".join(f"{k}={v:.2f}" for k, v in cpu.items())
+    )
+
+
+def cpu_now(groups: dict[str, int]) -> dict[str, float]:
+    """CPU seconds so far of each process group, and of this process (the client)."""
+    out = {"client": task_seconds(os.getpid())}
+    for who, pgid in groups.items():
+        out[who] = cpu_seconds(pgid)
+    return out
+
+
+def bench_router(
+    name: str, args: argparse.Namespace, urls: dict[str, str], fakes: dict[str, int], logs: Path
+) -> Any:
     """One contender over every level. ``direct``: the client to the fake decoder with no
     router, the floor this harness (client, upstreams, one machine) measures by itself."""
     proc = None
-    url = d_url
+    url = urls["decode"]
     if name != "direct":
         port = free_port()
-        proc = start(router_argv(name, port, p_url, d_url), logs / f"router-{name}.log")
+        argv = router_argv(name, port, urls["prefill"], urls["decode"], args.cprofile)
+        proc = start(pinned(argv, args.router_cpus), logs / f"router-{name}.log")
         url = f"http://127.0.0.1:{port}"
+    groups = dict(fakes, **({"router": proc.pid} if proc else {}))
     try:
         if proc is not None:
             wait_http(url + "/health", 120, proc)
-        asyncio.run(run_level(url, 1, 20))  # warm-up, the same for all
-        out = {}
+        warm = asyncio.run(run_level(url, 1, 20, args.tokens))  # the same for all
+        out: dict[str, Any] = {"warmup_failed": sum(not r["ok"] for r in warm)}
         for streams in args.levels:
-            cpu0 = cpu_seconds(proc.pid) if proc else 0.0
-            results = asyncio.run(run_level(url, streams, max(args.min_requests, 4 * streams)))
-            cpu = cpu_seconds(proc.pid) - cpu0 if proc else 0.0
-            out[str(streams)] = summarize(results, cpu)
-            print(name, streams, json.dumps(out[str(streams)]), flush=True)
+            # One request per stream first, not counted: every contender opens its
+            # connections (and the router its upstream ones) before the measured part.
+            warm = asyncio.run(run_level(url, streams, streams, args.tokens))
+            out["warmup_failed"] += sum(not r["ok"] for r in warm)
+            n = max(args.min_requests, args.per_stream * streams)
+            spread = args.tokens * args.gap_ms / 1e3 if args.stagger else 0.0
+            pause = args.gap_ms / 1e3 if args.stagger else 0.0
+            spy = profiler(args, name, proc, streams)
+            cpu0, t0 = cpu_now(groups), time.monotonic()
+            results = asyncio.run(run_level(url, streams, n, args.tokens, spread, pause))
+            secs = time.monotonic() - t0
+            cpu1 = cpu_now(groups)
+            if spy is not None:
+                spy.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
+                spy.wait(30)
+            cpu = {k: cpu1[k] - cpu0[k] for k in cpu0}
+            out[str(streams)] = summarize(results, cpu, secs)
+            print(name, streams, brief(out[str(streams)]), flush=True)
         return out
     finally:
         if proc is not None:
             stop(proc)
+
+
+def profiler(
+    args: argparse.Namespace, name: str, proc: subprocess.Popen[bytes] | None, streams: int
+) -> subprocess.Popen[bytes] | None:
+    """With --profile DIR: py-spy sampling the router over one level (collapsed stacks,
+    one file per router and level; py-spy's own CPU is not the router's)."""
+    if not args.profile or proc is None:
+        return None
+    out = Path(args.profile) / f"{name}-{streams}.txt"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    argv = [args.py_spy, "record", "-p", str(proc.pid), "-r", "250", "-f", "raw", "-o", str(out)]
+    spy = subprocess.Popen(argv + ["--nonblocking"], stdout=subprocess.DEVNULL)
+    time.sleep(1.0)  # attached before the level starts
+    return spy
+
+
+def pinned(argv: list[str], cpus: str | None) -> list[str]:
+    return ["taskset", "-c", cpus, *argv] if cpus else argv
 
 
 def plot(report: dict[str, Any], path: str) -> None:
@@ -265,17 +250,21 @@ def plot(report: dict[str, Any], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    keys = ("added_ms_p50", "added_ms_p99", "router_cpu_ms_per_request")
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
     levels = report["config"]["levels"]
     for name, cells in report["routers"].items():
-        for ax, key in zip(axes, ("added_ms_p50", "added_ms_p99"), strict=True):
-            ys = [cells[str(c)][key] for c in levels]
+        for ax, key in zip(axes, keys, strict=True):
+            ys = [cells[str(c)].get(key) for c in levels]
+            if all(y is None for y in ys):
+                continue
             ax.plot(levels, [float("nan") if y is None else y for y in ys], "o-", label=name)
             ax.set_xscale("log")
+            ax.set_yscale("log")
             ax.set_xlabel("concurrent streams")
             ax.set_ylabel(key.replace("_", " "))
             ax.legend()
-    fig.suptitle("TTFT added by the router (client TTFT - upstream TTFT)")
+    fig.suptitle("What a router adds to TTFT (client TTFT - upstream TTFT), and its CPU")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -283,36 +272,47 @@ def plot(report: dict[str, Any], path: str) -> None:
 def bench(args: argparse.Namespace) -> int:
     logs = Path(args.log_dir)
     logs.mkdir(parents=True, exist_ok=True)
+    if args.harness_cpus:
+        os.sched_setaffinity(0, {int(c) for c in args.harness_cpus.split(",")})
     me = [sys.executable, os.path.abspath(__file__), "upstream"]
     pace = ["--tokens", str(args.tokens), "--gap-ms", str(args.gap_ms)]
-    p_port, d_port = free_port(), free_port()
-    fakes = [
-        start(me + ["--role", "prefill", "--port", str(p_port), "--prefill-ms",
-                    str(args.prefill_ms)] + pace, logs / "fake-prefill.log"),
-        start(me + ["--role", "decode", "--port", str(d_port)] + pace, logs / "fake-decode.log"),
-    ]  # fmt: skip
-    p_url, d_url = f"http://127.0.0.1:{p_port}", f"http://127.0.0.1:{d_port}"
+    ports = {"prefill": free_port(), "decode": free_port()}
+    procs = {
+        role: start(
+            pinned(me + ["--role", role, "--port", str(port), "--prefill-ms",
+                         str(args.prefill_ms)] + pace, args.harness_cpus),
+            logs / f"fake-{role}.log",
+        )
+        for role, port in ports.items()
+    }  # fmt: skip
+    urls = {role: f"http://127.0.0.1:{port}" for role, port in ports.items()}
+    fakes = {f"fake_{role}": p.pid for role, p in procs.items()}
     try:
-        for url in (p_url, d_url):
-            wait_http(url + "/health")
+        for role, url in urls.items():
+            wait_http(url + "/health", 30, procs[role])
         report: dict[str, Any] = {
-            "config": {**vars(args), "cpus": os.cpu_count(), "load_avg": os.getloadavg()},
+            "config": {**vars(args), "cpus": os.cpu_count(), "load_avg": os.getloadavg(),
+                       "loop": LOOP, "started": time.strftime("%Y-%m-%d %H:%M:%S UTC",
+                                                              time.gmtime())},
             "routers": {},
-        }
+        }  # fmt: skip
+        t0 = time.monotonic()
         for name in args.routers:
-            report["routers"][name] = bench_router(name, args, p_url, d_url, logs)
+            report["routers"][name] = bench_router(name, args, urls, fakes, logs)
+        report["config"]["seconds"] = time.monotonic() - t0
+        report["config"]["load_avg_end"] = os.getloadavg()
         if "kvpush" in report["routers"] and "vllm-router" in report["routers"]:
             ratios = {}
             for c in args.levels:
                 k, v = report["routers"]["kvpush"][str(c)], report["routers"]["vllm-router"][str(c)]
                 ratios[str(c)] = {
                     key: (k[key] / v[key] if k[key] is not None and v[key] else None)
-                    for key in ("added_ms_p50", "added_ms_p99", "cpu_ms_per_request")
+                    for key in ("added_ms_p50", "added_ms_p99", "router_cpu_ms_per_request")
                 }
             report["kvpush_over_vllm_router"] = ratios
     finally:
-        for f in fakes:
-            stop(f)
+        for p in procs.values():
+            stop(p)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
     if args.plot:
@@ -328,18 +328,42 @@ def main() -> int:
     up.add_argument("--role", choices=["prefill", "decode"], required=True)
     up.add_argument("--port", type=int, required=True)
     for a in (ap, up):
-        a.add_argument("--tokens", type=int, default=16, help="chunks per decode stream")
-        a.add_argument("--gap-ms", type=float, default=10.0, help="pause between chunks")
+        a.add_argument("--tokens", type=int, default=16, help="events per decode stream")
+        a.add_argument("--gap-ms", type=float, default=10.0, help="pause between events")
         a.add_argument("--prefill-ms", type=float, default=0.0, help="fake prefill's time")
     ap.add_argument("--levels", type=lambda s: [int(x) for x in s.split(",")], default=[1, 64, 256])
     contenders = ["direct", "kvpush", "vllm-router"]
     ap.add_argument("--routers", type=lambda s: s.split(","), default=contenders)
-    ap.add_argument("--min-requests", type=int, default=100, help="requests per level, at least")
+    ap.add_argument("--min-requests", type=int, default=200, help="requests per cell, at least")
+    ap.add_argument("--per-stream", type=int, default=10, help="requests per stream and cell")
+    two = (os.cpu_count() or 1) >= 2
+    ap.add_argument(
+        "--router-cpus",
+        default="1" if two else None,
+        help="taskset CPU list for the router (default 1; '' for none)",
+    )
+    ap.add_argument(
+        "--harness-cpus",
+        default="0" if two else None,
+        help="CPU list for the client and fake upstreams (default 0; '' for none)",
+    )
+    ap.add_argument(
+        "--no-stagger",
+        dest="stagger",
+        action="store_false",
+        help="start every stream at once, no pause between requests (lockstep)",
+    )
+    ap.add_argument("--profile", metavar="DIR", help="py-spy each router over each level")
+    ap.add_argument("--cprofile", metavar="FILE", help="run kvpush's router under cProfile")
+    ap.add_argument("--py-spy", default=shutil.which("py-spy") or "py-spy")
     ap.add_argument("--log-dir", default="/tmp/router-bench")
     ap.add_argument("--json")
     ap.add_argument("--plot")
     args = ap.parse_args()
-    return serve_upstream(args) if args.cmd == "upstream" else bench(args)
+    if args.cmd == "upstream":
+        serve_upstream(args.role, args.port, args.tokens, args.gap_ms / 1e3, args.prefill_ms / 1e3)
+        return 0
+    return bench(args)
 
 
 if __name__ == "__main__":

@@ -54,7 +54,6 @@ Outcome = web.StreamResponse | legs.LegError  # a LegError: failed before the cl
 _MAX_REQUEST_BYTES = 64 * 1024 * 1024
 # How long to wait for D's own refusal once P refused (both validate the same fields).
 _REFUSAL_GRACE_S = 1.0
-_ASK_AGAIN_S = 10.0
 
 
 def make_app(config: RouterConfig) -> web.Application:
@@ -128,7 +127,7 @@ async def _proxy(request: web.Request, path: str, chat: bool) -> web.StreamRespo
     try:
         alone: str | None = "not_json"
         if isinstance(body, dict):
-            alone = bodies.decoder_alone(body, chat, await _max_model_len(app))
+            alone = bodies.decoder_alone(body, chat, await info.known_max_model_len(app))
         if alone is not None:
             metrics.decoder_alone(alone)
             log.debug("transfer %s: to the decoder alone (%s)", tid, alone)
@@ -200,21 +199,14 @@ async def _attempt(
     return await _serve_unary(request, path, dbody, dict(headers), prefill, tid, d)
 
 
-async def _max_model_len(app: web.Application) -> int | None:
-    """D's context length, from its /v1/models: asked once, or again every
-    `_ASK_AGAIN_S` while D cannot say (then None: no request waits on it)."""
-    limits = app[LIMITS]
-    now = time.monotonic()
-    if limits.get("max_model_len") is None and now >= (limits.get("ask_at") or 0.0):
-        limits["ask_at"] = now + _ASK_AGAIN_S
-        limits["max_model_len"] = await info.max_model_len(app)
-    value = limits.get("max_model_len")
-    return int(value) if value is not None else None
-
-
 async def _until_decode_done(prefill: asyncio.Task[Any], decode: asyncio.Task[T]) -> T:
     """Wait for the decode task; raise the prefill leg's error if it fails first."""
     while not decode.done():
+        if _succeeded(prefill):
+            # Nothing left to watch but D: awaiting its task wakes this one a loop turn
+            # sooner than asyncio.wait (the first event reaches the client sooner). A
+            # cancellation here cancels the decode task too, as the cleanup would.
+            return await decode
         waiting = {decode} if prefill.done() else {prefill, decode}
         await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
         # Checked before the decode result: a decode leg that fails because P failed
@@ -228,6 +220,10 @@ async def _until_decode_done(prefill: asyncio.Task[Any], decode: asyncio.Task[T]
                     raise own
             raise err  # type: ignore[misc]
     return decode.result()
+
+
+def _succeeded(task: asyncio.Task[Any]) -> bool:
+    return task.done() and not task.cancelled() and task.exception() is None
 
 
 def _refusal(task: asyncio.Task[Any]) -> legs.LegError | None:
@@ -341,10 +337,16 @@ async def _serve_stream(
         pump: asyncio.Task[bool] | None = None
         try:
             await out.prepare(request)
-            pump = asyncio.create_task(
-                timed(metrics, d, sse.pump(upstream, out, "decode", cfg.timeout, first))
-            )
-            ok = await replies.relayed(app, out, tid, _until_decode_done(prefill, pump), verdict)
+            relay = timed(metrics, d, sse.pump(upstream, out, "decode", cfg.timeout, first))
+            if _succeeded(prefill):
+                # The usual case (D's first token waits for P's KV): nothing left to
+                # watch but the stream, relayed right here (no task, no wait per request).
+                ok = await replies.relayed(app, out, tid, relay, verdict)
+            else:
+                pump = asyncio.create_task(relay)
+                ok = await replies.relayed(
+                    app, out, tid, _until_decode_done(prefill, pump), verdict
+                )
         except ConnectionError:
             log.info("transfer %s: client went away mid-stream", tid)
         finally:

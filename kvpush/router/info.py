@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import aiohttp
 from aiohttp import web
 
 from kvpush.router import legs
-from kvpush.router.config import CONFIG, METRICS, POOL, SESSION
+from kvpush.router.config import CONFIG, LIMITS, METRICS, POOL, SESSION
 
 _HEALTH_TIMEOUT_S = 5.0
+_ASK_AGAIN_S = 10.0  # how soon to ask D for its max_model_len again when it could not say
 
 
 def _decoder(app: web.Application) -> str | None:
@@ -86,3 +88,15 @@ async def health(request: web.Request) -> web.Response:
 async def metrics(request: web.Request) -> web.Response:
     ctype = "text/plain; version=0.0.4; charset=utf-8"
     return web.Response(body=request.app[METRICS].render(), headers={"Content-Type": ctype})
+
+
+async def known_max_model_len(app: web.Application) -> int | None:
+    """D's context length, from its /v1/models: asked once, or again every
+    `_ASK_AGAIN_S` while D cannot say (then None: no request waits on it)."""
+    limits = app[LIMITS]
+    now = time.monotonic()
+    if limits.get("max_model_len") is None and now >= (limits.get("ask_at") or 0.0):
+        limits["ask_at"] = now + _ASK_AGAIN_S
+        limits["max_model_len"] = await max_model_len(app)
+    value = limits.get("max_model_len")
+    return int(value) if value is not None else None

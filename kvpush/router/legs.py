@@ -8,10 +8,12 @@ a raw aiohttp exception).
 from __future__ import annotations
 
 import asyncio
+import functools
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import aiohttp
+from yarl import URL
 
 LegName = Literal["prefill", "decode"]
 # timeout: no answer in time; upstream: answered non-2xx; connection: could not talk to it.
@@ -82,6 +84,12 @@ class LegResult:
     content_type: str
 
 
+@functools.lru_cache(maxsize=4096)
+def _url(url: str) -> URL:
+    # Parsed once per instance and path: aiohttp parses (and quotes) a str on every call.
+    return URL(url)
+
+
 def _upstream_error(leg: LegName, resp: aiohttp.ClientResponse, data: bytes) -> LegError:
     detail = data[:_MAX_DETAIL].decode("utf-8", errors="replace")
     ctype = resp.headers.get("Content-Type", "application/json")
@@ -101,7 +109,7 @@ async def call_unary(
     """POST `body` and read the whole answer within `timeout` seconds."""
     try:
         async with asyncio.timeout(timeout):
-            async with session.post(url, json=body, headers=headers) as resp:
+            async with session.post(_url(url), json=body, headers=headers) as resp:
                 data = await resp.read()
                 if not 200 <= resp.status < 300:
                     raise _upstream_error(leg, resp, data)
@@ -130,9 +138,9 @@ async def open_stream(
     try:
         async with asyncio.timeout(timeout):
             if isinstance(body, bytes):
-                resp = await session.post(url, data=body, headers=headers)
+                resp = await session.post(_url(url), data=body, headers=headers)
             else:
-                resp = await session.post(url, json=body, headers=headers)
+                resp = await session.post(_url(url), json=body, headers=headers)
             if not any_status and not 200 <= resp.status < 300:
                 try:
                     data = await resp.read()

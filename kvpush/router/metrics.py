@@ -90,18 +90,29 @@ class RouterMetrics:
             registry=r,
         )
 
+        # Children of the per-request series, by metric and labels: `labels()` takes a
+        # lock and builds a key on every call, several times per request.
+        self._children: dict[tuple[Any, ...], Any] = {}
+
+    def _child(self, metric: Any, *labels: str) -> Any:
+        key = (id(metric), *labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
+
     def request_started(self, endpoint: str, stream: bool) -> None:
-        self._requests.labels(endpoint, str(stream).lower()).inc()
+        self._child(self._requests, endpoint, "true" if stream else "false").inc()
         self._in_flight.inc()
 
     def request_finished(self, endpoint: str, seconds: float) -> None:
         self._in_flight.dec()
-        self._latency.labels(endpoint).observe(seconds)
+        self._child(self._latency, endpoint).observe(seconds)
 
     def leg_finished(self, leg: str, seconds: float, instance: str = "") -> None:
-        self._leg_latency.labels(leg).observe(seconds)
+        self._child(self._leg_latency, leg).observe(seconds)
         if instance:
-            self._instance_latency.labels(leg, instance).observe(seconds)
+            self._child(self._instance_latency, leg, instance).observe(seconds)
 
     def decoder_alone(self, reason: str) -> None:
         self._alone.labels(reason).inc()
