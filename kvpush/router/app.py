@@ -43,7 +43,7 @@ from kvpush.router import admin, bodies, info, legs, replies, sse, upkeep
 from kvpush.router.config import BACKGROUND, CONFIG, LIMITS, METRICS, POOL, SESSION, RouterConfig
 from kvpush.router.metrics import RouterMetrics
 from kvpush.router.pool import Instance, Pool, Role, affinity_key
-from kvpush.router.tracking import leg, timed, using
+from kvpush.router.tracking import leg, timed, unless_lost, using
 
 log = logging.getLogger(__name__)
 
@@ -195,18 +195,20 @@ async def _attempt(
     dbody = bodies.decode_body(body, tid, p.spec.side_channel, cfg.decode_kv_extra)
     log.debug("transfer %s: legs started on %s and %s (stream=%s)", tid, p.url, d.url, stream)
     if stream:
-        return await _serve_stream(request, path, dbody, dict(headers), prefill, tid, d, retry_ok)
+        args = (request, path, dbody, dict(headers), prefill, tid, p, d)
+        return await _serve_stream(*args, retry_ok)
     return await _serve_unary(request, path, dbody, dict(headers), prefill, tid, d)
 
 
-async def _until_decode_done(prefill: asyncio.Task[Any], decode: asyncio.Task[T]) -> T:
-    """Wait for the decode task; raise the prefill leg's error if it fails first."""
+async def _until_decode_done(
+    prefill: asyncio.Task[Any], decode: asyncio.Task[T], p: Instance | None = None
+) -> T:
+    """Wait for the decode task; raise the prefill leg's error if it fails first, and,
+    with `p`, a prefill error once P left the pool before D had its KV (unless_lost)."""
     while not decode.done():
-        if _succeeded(prefill):
-            # Nothing left to watch but D: awaiting its task wakes this one a loop turn
-            # sooner than asyncio.wait (the first event reaches the client sooner). A
-            # cancellation here cancels the decode task too, as the cleanup would.
-            return await decode
+        if _succeeded(prefill):  # only D left to watch: awaiting its task directly is a
+            # loop turn sooner than asyncio.wait (a cancel here cancels it, as cleanup would)
+            return await (decode if p is None else unless_lost(p, decode))
         waiting = {decode} if prefill.done() else {prefill, decode}
         await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
         # Checked before the decode result: a decode leg that fails because P failed
@@ -305,6 +307,7 @@ async def _serve_stream(
     headers: dict[str, str],
     prefill: asyncio.Task[Any],
     tid: str,
+    p: Instance,
     d: Instance,
     retry_ok: bool,
 ) -> Outcome:
@@ -315,7 +318,8 @@ async def _serve_stream(
     with using(metrics, d) as verdict:
         opening = asyncio.create_task(_open_first(app, d.url + path, dbody, headers, retry_ok))
         try:
-            upstream, first = await _until_decode_done(prefill, opening)
+            # No KV on D before its first chunk: if P left the pool, it can go again.
+            upstream, first = await _until_decode_done(prefill, opening, p)
         except legs.LegError as err:
             _abandon_stream(app, tid, prefill, opening)
             if err.leg == "decode":

@@ -5,6 +5,7 @@ failed says nothing), and its latency."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Awaitable, Iterator
 from contextlib import contextmanager
@@ -15,6 +16,7 @@ from kvpush.router.metrics import RouterMetrics
 from kvpush.router.pool import Instance
 
 T = TypeVar("T")
+LOST_CHECK_S = 0.25  # how often a request waiting on D looks whether its P left the pool
 
 
 class Verdict:
@@ -70,3 +72,16 @@ async def timed(metrics: RouterMetrics, inst: Instance, call: Awaitable[T]) -> T
     result = await call
     metrics.leg_finished(inst.role, time.monotonic() - start, inst.url)
     return result
+
+
+async def unless_lost(p: Instance, decode: asyncio.Task[T]) -> T:
+    """D's result; or, once P left the pool by its health probes while D still waits for
+    the KV P answered for, a prefill `LegError`: the request can be sent again at once
+    instead of after D's watchdog (a P that answered and died never pushes)."""
+    while True:
+        done, _ = await asyncio.wait({decode}, timeout=LOST_CHECK_S)
+        if done:
+            return decode.result()
+        if not p.healthy:
+            why = f"prefiller {p.url} left the pool after answering, before D had the KV"
+            raise legs.LegError("prefill", "connection", why)

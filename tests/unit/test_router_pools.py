@@ -36,6 +36,7 @@ class Fake:
         self.hold: asyncio.Event | None = None  # D: answer only once set
         self.cut_stream: asyncio.Event | None = None  # D: one chunk, then break off once set
         self.error_first = False  # D: a 200 stream whose first event is a 500 error
+        self.no_push = False  # P: answers, but its push never comes (it dies right after)
         self.url = ""
         self.runner: web.AppRunner | None = None
 
@@ -65,7 +66,8 @@ class Fake:
         if self.fail_with:
             return web.json_response({"error": self.name}, status=self.fail_with)
         if self.role == "prefill":
-            self.prefilled.setdefault(tid, asyncio.Event()).set()
+            if not self.no_push:
+                self.prefilled.setdefault(tid, asyncio.Event()).set()
             return web.json_response({"choices": [{"text": "P"}]})
         await asyncio.wait_for(self.prefilled.setdefault(tid, asyncio.Event()).wait(), DEADLINE)
         if self.hold is not None:
@@ -358,5 +360,34 @@ def test_a_stream_that_begins_with_an_error_is_sent_again_unless_it_is_the_last_
                 pass
             status, lines = await complete(cl, url, stream=True)
             assert status == 200 and lines == ['data: {"error": {"code": 500}}', "data: [DONE]"]
+
+    asyncio.run(main())
+
+
+def test_a_stream_whose_prefiller_left_the_pool_after_answering_is_sent_again() -> None:
+    """P answered, then died before its push: D would wait for the KV until its watchdog.
+    Once P's health probes take it out, the router sends the request again on another
+    pair (the client has no byte yet), in well under D's wait."""
+
+    async def main() -> None:
+        async with pools(2, 1) as (url, cl, ps, ds):
+            ps[1].health = 500  # only p0 in the pool at first
+
+            async def only_p0() -> bool:
+                return not (await instances(cl, url))[ps[1].url]["healthy"]
+
+            await until(only_p0, "p1 out")
+            ps[0].no_push = True
+            start = time.monotonic()
+            sent = asyncio.create_task(complete(cl, url, stream=True))
+            await until(lambda: _true(len(ps[0].hits) == 1), "p0 answered")
+            ps[0].health, ps[1].health = 500, 200  # p0 dies, p1 comes back
+            status, events = await sent
+            took = time.monotonic() - start
+            assert status == 200 and events[0] == 'data: {"by": "d0"}', events
+            assert len(ps[1].hits) == 1 and len(ds[0].hits) == 2  # sent again via p1
+            assert took < DEADLINE / 2, f"{took:.1f}s: waited for D instead of resending"
+            async with cl.get(url + "/metrics") as resp:
+                assert 'kvpush_router_retries_total{leg="prefill"} 1.0' in await resp.text()
 
     asyncio.run(main())
