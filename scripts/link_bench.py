@@ -231,10 +231,11 @@ def section(res: dict[str, Any]) -> str:
         "for 2 / 8 blocks was 3.2 / 3.2 ms against raw 0.8 / 1.3 ms: the harness's cadence, not",
         "kvpush's. Stepped as vLLM's engines are while a push is pending, the KV-ready medians",
         "are at raw's (table). Single rounds of the small cases swing from 1/50x to 20x either",
-        "way on this shared 2-core machine, so their paired ratios move between runs. At full",
-        "veth speed the large KV is CPU-bound on the two cores (raw P busy-polls in C, kvpush's",
-        "ticks are Python and pause 0.5 ms after 5 ms of empty steps); the run with 1 ms steps",
-        "had it at 0.999x, this one at the figure above, 3 rounds each.",
+        "way on this shared 2-core machine, so their paired ratios move between runs (the",
+        "60-token case at full speed: 0.60 here, 0.86 in a run an hour earlier). At full veth",
+        "speed the large KV is CPU-bound on the two cores (raw P busy-polls in C, kvpush's",
+        "ticks are Python and pause 0.5 ms after 5 ms of empty steps): 0.82x in a run with",
+        "other jobs on the machine (load 0.2 to 5), 0.95x and 1.07x in two quiet ones.",
         "",
     ]
     return "\n".join(out) + "\n"
