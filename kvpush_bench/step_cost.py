@@ -8,7 +8,7 @@ hand-over, nothing to hand over in these steps), ``get_finished`` (``collect``, 
 ``build_connector_worker_meta``, ``get_kv_connector_stats``, ``update_connector_output``
 (``SchedulerSide.update``) and ``has_pending_push_work``. The scheduler and worker
 objects are the connector's own (``kvpush.vllm.scheduler_side`` / ``worker_side``) over a
-real NIXL agent, with the writer thread running as in an engine.
+real NIXL agent, with its keeper thread running as in an engine.
 
 In flight on P: finished prefills whose blocks wait for D's registration (held under a
 lease, staged on the writer). In flight on D: registrations sent to a live P (a bare

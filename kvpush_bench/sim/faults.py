@@ -105,7 +105,7 @@ def die() -> None:
 
 
 class FaultInjector:
-    """Decides which rule fires; shared by the transport (writer thread) and handshakes."""
+    """Decides which rule fires; shared by the transport (the ticking thread) and handshakes."""
 
     def __init__(self, plan: FaultPlan | None = None) -> None:
         self._lock = threading.Lock()
@@ -176,7 +176,8 @@ class _DelayedWrite:
 
 
 class FaultTransport(Transport):
-    """Wraps a Transport; injects the plan's faults. Used from the writer thread only."""
+    """Wraps a Transport; injects the plan's faults. Used from the ticking thread only
+    (the engine's or the keeper, under the worker's lock)."""
 
     def __init__(self, inner: Transport, injector: FaultInjector | None = None) -> None:
         self.inner = inner

@@ -121,7 +121,7 @@ class FuzzTarget:
         try:
             self.p.step()
             self.d.step()
-        except KVPushError as e:  # the writer thread died
+        except KVPushError as e:  # the keeper thread died
             self.crashes.append(f"step: {e}")
             raise
         for kind, rid, _ in self.p.take_events():
@@ -209,7 +209,7 @@ def run_fuzz(
             target.deliver(batch)
             done += len(batch)
             if not target.writers_alive():
-                target.crashes.append("a writer thread died")
+                target.crashes.append("a keeper thread died")
             if progress is not None:
                 progress({"inputs": done, "writes_caused": target.writes()})
         live_rejected = target.stat("rejected")

@@ -120,7 +120,7 @@ def _soak(entry: dict[str, Any] | None) -> list[str]:
         f"{r['fault_rate']} of them faulted (lease {o['lease_s']} s, watchdog "
         f"{o['watchdog_s']} s). Hung: no outcome on D, or P's blocks not freed, within "
         f"{o['request_timeout_s']} s. Leaked: blocks still held on P and D after settling. "
-        "Crashes: writer errors, dead writer threads, dead processes.",
+        "Crashes: tick errors, dead keeper threads, dead processes.",
         "",
         "| requests | completed | failed | released (aborted) | hung | leaked blocks | crashes "
         "| corrupted | completion rate | unfaulted completion rate | requests/s |",
@@ -157,7 +157,7 @@ def _fuzz(entry: dict[str, Any] | None) -> list[str]:
         "dropped or answered by a handler (duplicate, invalid, wrong sender, unknown request…).",
         "",
         "| inputs | rejected | accepted | ignored by handlers | crashes | writes caused "
-        "| writer errors | writers alive | inputs/s |",
+        "| tick errors | keepers alive | inputs/s |",
         "|---|---|---|---|---|---|---|---|---|",
         f"| {r['inputs']} | {r['rejected']} | {r['accepted']} | {r['ignored']} | {r['crashes']} "
         f"| {r['writes_caused']} | {r['writer_errors']} | {r['writers_alive']} "

@@ -10,7 +10,7 @@ the survivors of every fault keep serving. It reports, besides the counts:
 * ``hung``: requests with no outcome on D, or whose blocks P never freed, by the
   per-request deadline;
 * ``leaked_blocks``: blocks still held on P and D once both settled;
-* ``crashes``: writer errors, dead writer threads and dead processes.
+* ``crashes``: tick errors (`writer_errors`), dead keeper threads and dead processes.
 """
 
 from __future__ import annotations
