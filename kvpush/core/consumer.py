@@ -1,7 +1,7 @@
-"""D side of the writer: send registrations to P and account for completions.
+"""D side of the tick: send registrations to P and account for completions.
 
 Registrations and cancels share one inbox so a cancel is always handled after
-the registration it cancels. Owned by the writer thread.
+the registration it cancels. Runs on the ticking thread (the engine's, or the keeper).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The handshake side channel: each worker serves its agent info over ZMQ.
 
-A peer fetches it (on the writer's background executor, never on the writer
-itself), checks compatibility, and the writer then loads the NIXL metadata.
+A peer fetches it (on the peer table's background pool, never on the ticking
+thread), checks compatibility, and the next tick then loads the NIXL metadata.
 
 The info is what it takes to WRITE into this worker's KV memory (NIXL metadata)
 or to map it (CUDA IPC handles), so with a shared secret nothing of it leaves

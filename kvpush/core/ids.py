@@ -34,7 +34,7 @@ class MatchTable(Generic[V]):
 
     Entries whose transfer ids both exist and differ never match, whatever
     their request ids. Among several base-id candidates the oldest wins.
-    Single-threaded: owned by the writer thread.
+    Single-threaded: owned by the ticking thread.
     """
 
     def __init__(self) -> None:

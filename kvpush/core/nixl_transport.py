@@ -32,7 +32,7 @@ def _mapped(what: str) -> Iterator[None]:
 
 
 class NixlTransport(Transport):
-    """A NIXL agent with its progress thread off: the writer thread's polling drives it."""
+    """A NIXL agent with its progress thread off: the worker's ticks drive it."""
 
     def __init__(self, agent_name: str, backends: tuple[str, ...] = ("UCX",)) -> None:
         import os
@@ -42,7 +42,7 @@ class NixlTransport(Transport):
         if "NIXL_LOG_LEVEL" not in os.environ:  # its INFO lines drown our output
             logging.getLogger("nixl").setLevel(logging.WARNING)
 
-        # The progress thread busy-spins a core; our writer polls instead.
+        # The progress thread busy-spins a core; our ticks poll instead.
         config = nixl_agent_config(enable_prog_thread=False, backends=list(backends))
         with _mapped("create agent"):
             self._agent = nixl_agent(agent_name, config)

@@ -21,8 +21,8 @@ three passes. With a hook set on ``PushWorker.peer_copy``:
 
 D needs nothing new beyond the lane: a copy ends the receive exactly as a WRITE's
 completion does. The implementation lives in ``kvpush.gpu.peer_copy``; the core
-never imports torch. The hook is called on the writer thread only (the engine
-thread with ``writer="inline"``).
+never imports torch. The hook is called on the ticking thread only (the engine's,
+or the keeper in its place).
 """
 
 from __future__ import annotations

@@ -116,7 +116,7 @@ class PushTransfer:
     sender: str = ""
     handle: Any = None
     armed: Armed | None = None  # the direct copy prepared at registration, if any
-    early: Launched | None = None  # launched before this leg existed (_launch_armed)
+    early: Launched | None = None  # launched before this leg existed (CopyPath.launch_armed)
     copy: object | None = None  # a launched direct copy, until it is over
     notify: bool = False  # the copy writes no lane word: P sends the completion after it
     cancelled: bool = False  # D cancelled while the WRITE was in flight

@@ -27,7 +27,7 @@ def mark(event: str, key: str | None, rid: str | None = None) -> None:
         return
     line = json.dumps({"t": time.time(), "ev": event, "id": key, "rid": rid})
     global _out
-    with _lock:  # the engine thread, the writer and handshake callbacks may all mark
+    with _lock:  # the engine thread, the keeper and handshake callbacks may all mark
         if _out is None:
             os.makedirs(DIR, exist_ok=True)
             _out = open(os.path.join(DIR, f"{os.getpid()}.jsonl"), "a", buffering=1)

@@ -24,7 +24,8 @@ class WriteState(enum.Enum):
 class Transport(ABC):
     """One agent: owns registered memory, peers, WRITEs and notifications.
 
-    Not thread-safe: after ``register`` every call comes from the writer thread.
+    Not thread-safe: after ``register`` every call comes from the ticking thread (the
+    engine's, or the keeper; the worker's lock makes it one at a time).
     """
 
     agent_name: str

@@ -1,4 +1,4 @@
-"""Plain values passed between the scheduler side, the engine thread and the writer."""
+"""Plain values passed between the scheduler side, the engine thread and the worker."""
 
 from __future__ import annotations
 
