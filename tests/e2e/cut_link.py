@@ -1,24 +1,32 @@
-"""A TCP relay that drops the link of an event stream right after its first event.
+"""A TCP relay between the router and D that acts the moment D's stream has its first event.
 
-A test that kills a decoder mid-stream races the decoder: a fast one can finish its
-answer before the signal lands. Behind this relay the router gets the headers and the
-first event of D's answer to a POST, then nothing more until `cut()` closes that
-connection; what D sent in between is lost, as when a host dies. GETs (health probes)
-pass untouched.
+A test that stops a decoder mid-stream races the decoder: a fast one can finish its
+answer before a signal sent from the client's side lands. This relay sees D's first
+event itself: it calls ``on_first_event`` (say, to freeze D) before passing the event on,
+and with ``hold`` passes nothing more until `cut()` closes that connection; what D sent
+in between is lost, as when a host dies. GETs (health probes) pass untouched.
 """
 
 from __future__ import annotations
 
 import socket
 import threading
+from collections.abc import Callable
 
 HEAD_END = b"\r\n\r\n"
 
 
 class CutLink:
-    def __init__(self, target_port: int) -> None:
+    def __init__(
+        self,
+        target_port: int,
+        hold: bool = True,
+        on_first_event: Callable[[], None] | None = None,
+    ) -> None:
         self.target = ("127.0.0.1", target_port)
-        self.holding = threading.Event()  # a stream's first event went through; the rest is held
+        self.hold = hold
+        self.on_first_event = on_first_event
+        self.passed_first = threading.Event()  # a stream's first event went through
         self._cut = threading.Event()
         self._server = socket.create_server(("127.0.0.1", 0))
         self.port = self._server.getsockname()[1]
@@ -66,14 +74,18 @@ class CutLink:
         held = b""
         try:
             while data := src.recv(65536):
-                if not posted.is_set() or self.holding.is_set():
+                if not posted.is_set() or self.passed_first.is_set():
                     dst.sendall(data)
                     continue
                 held += data
                 end = _first_event_end(held)
-                if end is not None:
-                    dst.sendall(held[:end])
-                    self.holding.set()
+                if end is None:
+                    continue
+                if self.on_first_event is not None:
+                    self.on_first_event()
+                dst.sendall(held[:end] if self.hold else held)
+                self.passed_first.set()
+                if self.hold:
                     self._cut.wait()
                     return
         except OSError:

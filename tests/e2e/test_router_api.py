@@ -17,6 +17,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -168,22 +169,28 @@ def test_each_sub_request_got_its_own_push(env: dict[str, Any]) -> None:
     assert body["usage"]["prompt_tokens"] == 300 + 60 + 129
 
 
-def test_client_hang_up_cancels_both_legs(env: dict[str, Any]) -> None:
+def test_client_hang_up_cancels_both_legs(env: dict[str, Any], tmp_path: Path) -> None:
     """The client leaves mid-stream: both legs end and neither P nor D holds a block well
-    within P's 30 s lease (D may not have scheduled the request yet: then it tells P so)."""
+    within P's 30 s lease (D may not have scheduled the request yet: then it tells P so).
+    D is frozen the moment its first event reaches the link, so the stream is certainly
+    unfinished when the client leaves (a fast D ends 400 tokens first)."""
     c: Cluster = env["cluster"]
     body = {"model": env["model"], "prompt": PROMPT, "max_tokens": 400, "ignore_eos": True}
     body.update(stream=True, temperature=0)
-    req = urllib.request.Request(
-        c.router.url + COMPLETIONS, json.dumps(body).encode(), {"Content-Type": "application/json"}
-    )
     before = metric(c.d.url, FINISHED), metric(c.d.url, GENERATED)
-    with urllib.request.urlopen(req, timeout=60):
-        # The router answered 200: D's stream is open. Freeze D so the stream is
-        # certainly unfinished when the client leaves (a fast D ends 400 tokens first).
+
+    def freeze() -> None:
         c.d.send(signal.SIGSTOP)
-    c.d.send(signal.SIGCONT)
-    _wait_idle(c, "after the client hung up")
+
+    with via_link(c, tmp_path, hold=False, on_first_event=freeze) as (router, link):
+        headers = {"Content-Type": "application/json"}
+        req = urllib.request.Request(router.url + COMPLETIONS, json.dumps(body).encode(), headers)
+        try:
+            with urllib.request.urlopen(req, timeout=60):
+                assert link.passed_first.is_set()  # (the router's 200 waits for it)
+        finally:
+            c.d.send(signal.SIGCONT)
+        _wait_idle(c, "after the client hung up")
     # vLLM counts no aborted request as finished; a completed one would count.
     assert metric(c.d.url, FINISHED) == before[0]
     assert metric(c.d.url, GENERATED) - before[1] < 399
@@ -219,27 +226,34 @@ def test_stream_cut_by_a_dead_decoder_ends_with_an_error_event(
     then [DONE]; never a clean-looking end. A second router reaches D through a link that
     holds D's stream after its first event, so D cannot finish before it dies."""
     c: Cluster = env["cluster"]
-    link = CutLink(int(c.d.url.rsplit(":", 1)[1]))
-    router = RouterProc(c.p.url, link.url, f"127.0.0.1:{c.side_port}", str(tmp_path))
     body = {"model": env["model"], "prompt": PROMPT, "max_tokens": 450, "ignore_eos": True}
     body.update(stream=True, temperature=0)
     events = []
-    try:
-        wait_healthy([router])
+    with via_link(c, tmp_path) as (router, link):
         headers = {"Content-Type": "application/json"}
         req = urllib.request.Request(router.url + COMPLETIONS, json.dumps(body).encode(), headers)
         with urllib.request.urlopen(req, timeout=60) as resp:
-            assert link.holding.wait(30), "D's first event never went through the link"
+            assert link.passed_first.wait(30), "D's first event never went through the link"
             c.d.kill()
             link.cut()
             for line in resp:
                 if line.startswith(b"data:"):
                     events.append(line[5:].strip())
-    finally:
-        router.stop()
-        link.close()
     assert len(events) == 3, events  # D's first event, the router's error, [DONE]
     assert "choices" in json.loads(events[0])
     error = json.loads(events[1])["error"]
     assert error["leg"] == "decode" and error["code"] == 502, error
     assert events[2] == b"[DONE]"
+
+
+@contextmanager
+def via_link(c: Cluster, log_dir: Path, **link: Any) -> Iterator[tuple[RouterProc, CutLink]]:
+    """A second router over the same P and D, reaching D through a `CutLink`."""
+    cut = CutLink(int(c.d.url.rsplit(":", 1)[1]), **link)
+    router = RouterProc(c.p.url, cut.url, f"127.0.0.1:{c.side_port}", str(log_dir))
+    try:
+        wait_healthy([router])
+        yield router, cut
+    finally:
+        router.stop()
+        cut.close()
