@@ -191,7 +191,7 @@ class Producer:
             self.pending_regs.add(key, PendingGroup({rank: pend}))
         else:
             group.regs[rank] = pend
-        if self._feeds(reg):
+        if self.copy.hook is not None and self._feeds(reg):  # (no hook: nothing to arm)
             pend.armed = self.copy.arm(sender, reg, pend.dst)
         # Handshake with D now, so the WRITE can start the moment P's blocks are ready.
         self._prefetch(reg.decode_host, reg.decode_port)
