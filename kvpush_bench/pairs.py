@@ -192,7 +192,8 @@ class KvpushPair(Pair):
         self.p = self._server("prefill", p_config, 0, {})
         d_config = kvpush_config("kv_consumer", "decode", free_port(), **opts)
         self.d = self._server("decode", d_config, 1, {})
-        self.router = RouterProc(self.p.url, self.d.url, f"127.0.0.1:{side}", self.log_dir)
+        env = dict(self.spec.get("env", {}))
+        self.router = RouterProc(self.p.url, self.d.url, f"127.0.0.1:{side}", self.log_dir, env=env)
         return [self.p, self.d, self.router]
 
     def send(self, prompt: list[int], max_tokens: int, timeout: float) -> Sample:
@@ -308,7 +309,13 @@ def _prefill_leg(
 
 
 def make_pair(name: str, model: str, log_dir: str, **spec: Any) -> Pair:
-    """A pair by configuration name; ``spec``: further ServerSpec fields for its servers."""
+    """A pair by configuration name; ``spec``: further ServerSpec fields for its servers.
+    ``kvpush@LABEL`` is a kvpush pair too (an A/B variant: the caller points its servers'
+    PYTHONPATH at another source tree through ``spec["env"]``)."""
+    if name.startswith("kvpush@"):
+        pair = KvpushPair(model, log_dir, **spec)
+        pair.name = name
+        return pair
     kinds: dict[str, type[Pair]] = {
         "plain": PlainPair,
         "kvpush": KvpushPair,

@@ -15,6 +15,7 @@ from kvpush_bench.stats import summary
 
 # In the order a request normally passes them (P and D run side by side).
 STAGES = (
+    "router.recv",  # the router read the client's request
     "p_sched.alloc",  # P's scheduler allocated the prefill request
     "d_sched.matched",  # D's scheduler saw the decode request (remote KV expected)
     "d_sched.alloc",  # D allocated its blocks: the registration exists
@@ -29,6 +30,8 @@ STAGES = (
     "d_sched.recvd",  # D's scheduler took it in
     "d_sched.forward",  # D's scheduler scheduled the request's first forward
     "d_sched.output",  # that step's output (the first token) reached D's scheduler
+    "router.first_chunk",  # D's first event reached the router
+    "router.prepared",  # the router sent the client its headers (the event follows)
     "PushTransfer.done",  # P saw its push end
     "sched.finished",  # a scheduler finished the request (P's first, then D's)
 )
@@ -68,3 +71,40 @@ def breakdown(samples: list[Any], events: list[dict[str, Any]]) -> dict[str, Any
         st: summary(offsets[st], 2) for st in [*order, "client.first_token"] if offsets.get(st)
     }
     return {"traced_requests": traced, "offset_ms": stages}
+
+
+# Per-step marks (no transfer id): vLLM's steps on each side while a request is traced.
+STEP_EVENTS = ("sched.step", "sched.update", "worker.start", "worker.save", "worker.collect")
+
+
+def timelines(samples: list[Any], events: list[dict[str, Any]], keep: int = 3) -> list[Any]:
+    """For the first ``keep`` traced samples: every mark of its transfer and every step
+    mark of P's and D's processes from the client's send to its first token (+2 ms), as
+    ``[ms from send, side, event, n]`` in time order (side: P, D, router or ?)."""
+    marks = by_transfer(events)
+    tid_of = {str(e["rid"]): str(e["id"]) for e in events if e.get("id") and e.get("rid")}
+    side_of: dict[str, str] = {}
+    for e in events:
+        ev = str(e["ev"])
+        if e.get("pid") and ev.startswith(("p_", "d_", "router.")):
+            side_of.setdefault(str(e["pid"]), {"p": "P", "d": "D", "r": "router"}[ev[0]])
+    out: list[Any] = []
+    for s in samples:
+        m = marks.get(s.request_id)
+        if not s.ok or not s.sent_at or m is None:
+            continue
+        end = s.sent_at + s.ttft_s + 0.002
+        rows = []
+        for e in events:
+            t = float(e["t"])
+            if not s.sent_at <= t <= end:
+                continue
+            tid = e.get("id") or tid_of.get(str(e.get("rid")))
+            if tid == s.request_id or (e.get("ev") in STEP_EVENTS and tid is None):
+                side = side_of.get(str(e.get("pid")), "?")
+                rows.append([round((t - s.sent_at) * 1e3, 3), side, e["ev"], e.get("n")])
+        rows.append([round(s.ttft_s * 1e3, 3), "client", "first_token", None])
+        out.append(rows)
+        if len(out) >= keep:
+            break
+    return out

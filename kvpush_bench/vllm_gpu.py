@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import threading
 import time
@@ -31,7 +32,7 @@ from kvpush.core import trace
 from kvpush.tiny_model import make_tiny_model
 from kvpush_bench.engine import prompts_for
 from kvpush_bench.pairs import LABELS, Pair, Sample, make_pair
-from kvpush_bench.stages import breakdown
+from kvpush_bench.stages import breakdown, timelines
 from kvpush_bench.stats import ratio, summary
 
 
@@ -58,6 +59,14 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--device", default="cuda", help="cpu: a smoke run of this script")
     p.add_argument("--trace", action="store_true", help="kvpush stage marks per request")
     p.add_argument("--kvpush-options", default="{}", help="JSON: kv_connector_extra_config")
+    p.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="LABEL=DIR",
+        help="an A/B contender kvpush@LABEL whose P and D import kvpush from DIR (a source "
+        "tree, e.g. a git worktree of another commit); name it in --configs",
+    )
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
 
@@ -85,13 +94,23 @@ def start_all(args: argparse.Namespace, model: str, configs: list[str]) -> dict[
     out = Path(args.out)
     pairs: dict[str, Pair] = {}
     errors: dict[str, str] = {}
+    trees = dict(v.split("=", 1) for v in args.variant)
     for cfg in configs:
         pair = make_pair(cfg, model, str(out / "logs" / cfg), **_spec(args))
         if cfg.startswith("kvpush"):
             opts = json.loads(args.kvpush_options)
             pair.options = {**pair.options, **opts}  # type: ignore[attr-defined]
+            env: dict[str, str] = {}
             if args.trace:
-                pair.spec["env"] = {"KVPUSH_TRACE_DIR": str(out / "trace")}
+                env["KVPUSH_TRACE_DIR"] = str(out / "trace" / cfg)
+            label = cfg.partition("@")[2]
+            if label:
+                if label not in trees:
+                    raise SystemExit(f"{cfg}: no --variant {label}=DIR")
+                tree = str(Path(trees[label]).resolve())
+                env["PYTHONPATH"] = os.pathsep.join([tree, os.environ.get("PYTHONPATH", "")])
+                env["PYTHONSAFEPATH"] = "1"  # else `python -m` puts the cwd's kvpush first
+            pair.spec["env"] = env
         pairs[cfg] = pair
 
     def up(cfg: str) -> None:
@@ -190,16 +209,28 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for pair in pairs.values():
             pair.stop()
     result = aggregate(samples, configs, sizes, concs)
-    result["labels"] = {c: LABELS[c] for c in configs}
+    trees = dict(v.split("=", 1) for v in args.variant)
+    result["labels"] = {
+        c: LABELS.get(c) or f"kvpush as in {trees.get(c.partition('@')[2])}" for c in configs
+    }
     result["options"] = {k: v for k, v in vars(args).items()}
     result["samples"] = records
-    if args.trace and (out / "trace").is_dir():
-        events = trace.read(str(out / "trace"))
-        result["stages"] = {
-            f"{size}tok_c{c}": breakdown(samples.get(("kvpush", size, c), []), events)
-            for size in sizes
-            for c in concs
-        }
+    if args.trace:
+        result["stages"] = {}
+        for cfg in configs:
+            if not (out / "trace" / cfg).is_dir():
+                continue
+            events = trace.read(str(out / "trace" / cfg))
+            result["stages"][cfg] = {
+                f"{size}tok_c{c}": breakdown(samples.get((cfg, size, c), []), events)
+                for size in sizes
+                for c in concs
+            }
+            result.setdefault("timelines", {})[cfg] = {
+                f"{size}tok_c{c}": timelines(samples.get((cfg, size, c), []), events)
+                for size in sizes
+                for c in concs
+            }
     return result
 
 
@@ -232,10 +263,11 @@ def aggregate(
                     q: None if mine[q] is None or plain[q] is None else round(mine[q] - plain[q], 2)
                     for q in ("median", "p90")
                 }
-            if "kvpush" in cell and "push" in cell and plain:
-                a = cell["kvpush"].get("overhead_ms", {}).get("median")
-                b = cell["push"].get("overhead_ms", {}).get("median")
-                cell["overhead_ratio_kvpush_vs_push"] = ratio(a, b)
+            for cfg in configs:
+                if cfg.startswith("kvpush") and "push" in cell and plain:
+                    a = cell[cfg].get("overhead_ms", {}).get("median")
+                    b = cell["push"].get("overhead_ms", {}).get("median")
+                    cell[f"overhead_ratio_{cfg}_vs_push"] = ratio(a, b)
             cells[f"{size}tok_c{c}"] = cell
     return {"cells": cells}
 

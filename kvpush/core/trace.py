@@ -21,11 +21,15 @@ _lock = threading.Lock()
 _out: IO[str] | None = None
 
 
-def mark(event: str, key: str | None, rid: str | None = None) -> None:
-    """Record that ``event`` happened now for transfer ``key`` (a transfer id or request id)."""
+def mark(event: str, key: str | None, rid: str | None = None, n: int | None = None) -> None:
+    """Record that ``event`` happened now for transfer ``key`` (a transfer id or request id);
+    ``n``: a count that goes with it (a step's scheduled tokens, say)."""
     if not ON:
         return
-    line = json.dumps({"t": time.time(), "ev": event, "id": key, "rid": rid})
+    rec: dict[str, object] = {"t": time.time(), "ev": event, "id": key, "rid": rid}
+    if n is not None:
+        rec["n"] = n
+    line = json.dumps(rec)
     global _out
     with _lock:  # the engine thread, the keeper and handshake callbacks may all mark
         if _out is None:
@@ -35,7 +39,7 @@ def mark(event: str, key: str | None, rid: str | None = None) -> None:
 
 
 def read(directory: str) -> list[dict[str, object]]:
-    """Every mark written under ``directory``, oldest first."""
+    """Every mark written under ``directory``, oldest first, each with its process's ``pid``."""
     events: list[dict[str, object]] = []
     for name in sorted(os.listdir(directory)):
         if not name.endswith(".jsonl"):
@@ -43,8 +47,10 @@ def read(directory: str) -> list[dict[str, object]]:
         with open(os.path.join(directory, name)) as f:
             for line in f:
                 try:
-                    events.append(json.loads(line))
+                    event = json.loads(line)
                 except ValueError:
                     continue  # a line cut by a killed process
+                event["pid"] = name[: -len(".jsonl")]
+                events.append(event)
     events.sort(key=lambda e: float(e["t"]))  # type: ignore[arg-type]
     return events

@@ -234,6 +234,7 @@ class RouterProc(Proc):
         log_dir: str,
         port: int = 0,
         extra: list[str] | None = None,
+        env: dict[str, str] | None = None,
     ) -> None:
         self.port = port or free_port()
         argv = [sys.executable, "-m", "kvpush.cli", "router", "--port", str(self.port)]
@@ -245,7 +246,8 @@ class RouterProc(Proc):
             for value in [values] if isinstance(values, str) else values:
                 argv += [flag, value]
         argv += extra or []
-        super().__init__("router", argv, dict(os.environ), Path(log_dir) / "router.log")
+        env = {**os.environ, **(env or {})}
+        super().__init__("router", argv, env, Path(log_dir) / "router.log")
 
     @property
     def url(self) -> str:

@@ -39,11 +39,12 @@ from typing import Any, TypeVar
 import aiohttp
 from aiohttp import web
 
+from kvpush.core import trace
 from kvpush.router import admin, bodies, info, legs, replies, sse, upkeep
 from kvpush.router.config import BACKGROUND, CONFIG, LIMITS, METRICS, POOL, SESSION, RouterConfig
 from kvpush.router.metrics import RouterMetrics
 from kvpush.router.pool import Instance, Pool, Role, affinity_key
-from kvpush.router.tracking import leg, timed, unless_lost, using
+from kvpush.router.tracking import leg, refusal, retrieve, succeeded, timed, unless_lost, using
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +115,7 @@ async def _proxy(request: web.Request, path: str, chat: bool) -> web.StreamRespo
     app = request.app
     cfg, metrics, pool = app[CONFIG], app[METRICS], app[POOL]
     tid = uuid.uuid4().hex
+    trace.mark("router.recv", tid)
     # The same request id on both legs lets P and D match each other even without
     # transfer_id support (the in-tree connectors match on it), and gives the engine
     # sub-requests of one client request the same ids on both (the connector's keys).
@@ -206,7 +208,7 @@ async def _until_decode_done(
     """Wait for the decode task; raise the prefill leg's error if it fails first, and,
     with `p`, a prefill error once P left the pool before D had its KV (unless_lost)."""
     while not decode.done():
-        if _succeeded(prefill):  # only D left to watch: awaiting its task directly is a
+        if succeeded(prefill):  # only D left to watch: awaiting its task directly is a
             # loop turn sooner than asyncio.wait (a cancel here cancels it, as cleanup would)
             return await (decode if p is None else unless_lost(p, decode))
         waiting = {decode} if prefill.done() else {prefill, decode}
@@ -217,22 +219,11 @@ async def _until_decode_done(
             err = prefill.exception()
             if isinstance(err, legs.LegError) and err.refused:
                 await asyncio.wait({decode}, timeout=_REFUSAL_GRACE_S)
-                own = _refusal(decode)
+                own = refusal(decode)
                 if own is not None:
                     raise own
             raise err  # type: ignore[misc]
     return decode.result()
-
-
-def _succeeded(task: asyncio.Task[Any]) -> bool:
-    return task.done() and not task.cancelled() and task.exception() is None
-
-
-def _refusal(task: asyncio.Task[Any]) -> legs.LegError | None:
-    if not task.done() or task.cancelled():
-        return None
-    err = task.exception()
-    return err if isinstance(err, legs.LegError) and err.refused else None
 
 
 def _settle(
@@ -243,10 +234,10 @@ def _settle(
         if isinstance(task, asyncio.Task):
             # Its error (say, a write to a client that left) is the handler's to report;
             # retrieved here so that it is not logged again as never retrieved.
-            task.add_done_callback(_retrieve)
+            task.add_done_callback(retrieve)
             task.cancel()
     if prefill.done() or not decode_ok:
-        prefill.add_done_callback(_retrieve)
+        prefill.add_done_callback(retrieve)
         prefill.cancel()
         return
     background = app[BACKGROUND]
@@ -265,11 +256,6 @@ def _settle(
             log.error("transfer %s: prefill leg crashed", tid, exc_info=exc)
 
     prefill.add_done_callback(_done)
-
-
-def _retrieve(task: asyncio.Task[Any]) -> None:
-    if not task.cancelled():
-        task.exception()
 
 
 async def _serve_unary(
@@ -320,6 +306,7 @@ async def _serve_stream(
         try:
             # No KV on D before its first chunk: if P left the pool, it can go again.
             upstream, first = await _until_decode_done(prefill, opening, p)
+            trace.mark("router.first_chunk", tid)
         except legs.LegError as err:
             _abandon_stream(app, tid, prefill, opening)
             if err.leg == "decode":
@@ -341,8 +328,9 @@ async def _serve_stream(
         pump: asyncio.Task[bool] | None = None
         try:
             await out.prepare(request)
+            trace.mark("router.prepared", tid)
             relay = timed(metrics, d, sse.pump(upstream, out, "decode", cfg.timeout, first))
-            if _succeeded(prefill):
+            if succeeded(prefill):
                 # The usual case (D's first token waits for P's KV): nothing left to
                 # watch but the stream, relayed right here (no task, no wait per request).
                 ok = await replies.relayed(app, out, tid, relay, verdict)

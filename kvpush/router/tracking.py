@@ -9,7 +9,7 @@ import asyncio
 import time
 from collections.abc import Awaitable, Iterator
 from contextlib import contextmanager
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from kvpush.router import legs
 from kvpush.router.metrics import RouterMetrics
@@ -85,3 +85,21 @@ async def unless_lost(p: Instance, decode: asyncio.Task[T]) -> T:
         if not p.healthy:
             why = f"prefiller {p.url} left the pool after answering, before D had the KV"
             raise legs.LegError("prefill", "connection", why)
+
+
+def succeeded(task: asyncio.Task[Any]) -> bool:
+    return task.done() and not task.cancelled() and task.exception() is None
+
+
+def refusal(task: asyncio.Task[Any]) -> legs.LegError | None:
+    """The leg's refusal (a 4xx: the client's mistake), once it ended with one."""
+    if not task.done() or task.cancelled():
+        return None
+    err = task.exception()
+    return err if isinstance(err, legs.LegError) and err.refused else None
+
+
+def retrieve(task: asyncio.Task[Any]) -> None:
+    """A done callback: take the task's outcome so that asyncio does not log it as lost."""
+    if not task.cancelled():
+        task.exception()

@@ -162,9 +162,18 @@ class SchedulerSide:
                     self.sched.hand_over(new.req_id, [list(new.block_ids[0])], tid)
                     if trace.ON:
                         trace.mark("p_sched.hand_over", tid, new.req_id)
-        if trace.ON and self._traced:
-            self._trace_forward(scheduler_output)
+        if trace.ON:
+            self._trace_step(scheduler_output)
         return self.sched.build_meta()
+
+    def _trace_step(self, scheduler_output: Any) -> None:
+        """Tracing: a mark per step that computes tokens or that a traced D request waits
+        through (how many steps, and how far apart, lie between its KV and its token)."""
+        n = int(getattr(scheduler_output, "total_num_scheduled_tokens", 0) or 0)
+        if n or self._traced or self._forwarded:
+            trace.mark("sched.step", None, None, n)
+        if self._traced:
+            self._trace_forward(scheduler_output)
 
     def _trace_forward(self, scheduler_output: Any) -> None:
         """D: the step that computes a request whose KV was pushed (its first token)."""
@@ -236,6 +245,8 @@ class SchedulerSide:
 
     def update(self, sending: set[str], recving: set[str], worker_meta: Any) -> None:
         """Apply one step's aggregated worker output."""
+        if trace.ON and (self._traced or self._forwarded or recving):
+            trace.mark("sched.update", None, None, len(recving))
         if self._forwarded:  # tracing: this step's output holds their first tokens
             for rid, tid in self._forwarded.items():
                 trace.mark("d_sched.output", tid, rid)

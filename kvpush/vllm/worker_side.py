@@ -47,7 +47,10 @@ HISTOGRAMS = ("push_seconds", "kv_wait_seconds")
 # one core can starve each other for good: behind vllm-router, a D awaiting the KV kept a
 # P on its core from reading D's registration until P's lease ran out (30 s). Empty steps
 # poll flat out for IDLE_SPIN_S (most pushes end well within it), then each sleeps
-# IDLE_SLEEP_S, which lets whatever shares the core run.
+# IDLE_SLEEP_S, which lets whatever shares the core run. Only with the KV in host memory:
+# a GPU engine's compute is not on those cores, vLLM already sleeps 1 ms per empty step,
+# and ours stretched the interval at which a GPU decoder sees its KV from about 1.5 to
+# 2.2 ms (real vLLM on an H200, docs/benchmarks.md).
 IDLE_SPIN_S = 0.005
 IDLE_SLEEP_S = 0.0005
 
@@ -169,6 +172,8 @@ class WorkerSide:
 
     def start_step(self, meta: StepMeta | None, idle: bool = False) -> None:
         self._idle = idle
+        if trace.ON:
+            self._trace_step("worker.start")
         if self.worker is not None and meta is not None:
             if self._early:  # the last step never reached wait_for_save: its forward is queued
                 self.hand_over()
@@ -180,6 +185,8 @@ class WorkerSide:
         completes. On GPUs their writes may still run: an event recorded now on the
         forward's stream goes with them, and the push is queued behind it."""
         early, self._early = self._early, []
+        if trace.ON:
+            self._trace_step("worker.save")
         if not early or self.worker is None:
             return
         after = None
@@ -197,11 +204,13 @@ class WorkerSide:
         """This step's finished ids; also stashes what goes back as worker metadata."""
         if self.worker is None:
             return StepReport()
-        if self._idle:
+        if self._idle and not self._cuda:
             self._pause()
         else:
             self._idle_since = None
         out = self.worker.get_finished()
+        if trace.ON:
+            self._trace_step("worker.collect")
         if not out:  # most steps: nothing to report
             return StepReport()
         self._idle_since = None  # something ended: poll flat out again
@@ -219,6 +228,11 @@ class WorkerSide:
         self._meta.released |= out.released
         self._meta.renewed |= out.renewed
         return report
+
+    def _trace_step(self, event: str) -> None:
+        """Tracing: the step's calls, when it computes or a receive is outstanding."""
+        if self.worker is not None and (not self._idle or self.worker.consumer.outstanding()):
+            trace.mark(event, None, None, 0 if self._idle else 1)
 
     def _pause(self) -> None:
         """An empty step: give the core away once such steps went on for IDLE_SPIN_S."""

@@ -268,6 +268,10 @@ def test_empty_steps_give_the_core_away_after_a_short_spin(monkeypatch: pytest.M
     step(idle=True, dt=IDLE_SPIN_S / 2)
     step(idle=True, dt=IDLE_SPIN_S / 4)
     assert len(slept) == 4
+    side._cuda = True  # a GPU engine's compute is not on these cores: never sleeps
+    for _ in range(3):
+        step(idle=True, dt=2 * IDLE_SPIN_S)
+    assert len(slept) == 4
 
 
 def test_the_transport_bench_paces_its_engines_as_the_connector_does() -> None:
