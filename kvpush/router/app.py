@@ -194,6 +194,8 @@ async def _attempt(
             ),
         )
     )
+    if trace.ON:  # P's answer (its first token, as one plain server would send it)
+        prefill.add_done_callback(lambda _: trace.mark("router.p_answer", tid))
     dbody = bodies.decode_body(body, tid, p.spec.side_channel, cfg.decode_kv_extra)
     log.debug("transfer %s: legs started on %s and %s (stream=%s)", tid, p.url, d.url, stream)
     if stream:
