@@ -14,7 +14,6 @@ import json
 import os
 import platform
 import shlex
-import signal
 import sys
 import tempfile
 import time
@@ -69,12 +68,10 @@ def _log(msg: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    # SIGTERM behaves like Ctrl-C, so every server the engine part started is stopped.
-    previous = signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
-    try:
+    from kvpush.deploy.servers import sigterm_as_interrupt
+
+    with sigterm_as_interrupt():  # every server the engine part started is stopped
         return _run(args)
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def _run(args: argparse.Namespace) -> int:

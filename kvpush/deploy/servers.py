@@ -6,6 +6,7 @@ in the same interpreter environment.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -17,6 +18,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -291,3 +293,18 @@ def metric(url: str, name: str, labels: dict[str, str] | None = None) -> float:
             continue
         total += float(value)
     return total
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """SIGTERM raises KeyboardInterrupt inside the block, as Ctrl-C would, so the
+    finally-blocks of whatever started servers stop them; the old handler comes back."""
+
+    def _raise(*_: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, _raise)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
 import sys
 from typing import Any
 
@@ -36,10 +35,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
 
 
 def _run(args: argparse.Namespace) -> int:
-    # SIGTERM behaves like Ctrl-C: the demo's finally-blocks stop every process it started.
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    from kvpush.deploy.servers import sigterm_as_interrupt
+
     try:
-        summary, ok = _synthetic(args)
+        with sigterm_as_interrupt():
+            summary, ok = _synthetic(args)
     except KeyboardInterrupt:
         msg = "kvpush_bench demo: interrupted; everything it started was stopped"
         print(msg, file=sys.stderr)
