@@ -13,13 +13,15 @@ import pytest
 
 from kvpush.core.errors import ConfigError
 from kvpush.core.lane import CompletionLane, LaneView
-from kvpush.core.memory_transport import Fabric, MemoryTransport
 from kvpush.core.peer_copy import CopyDst
-from kvpush.core.worker import make_agent_name
-from kvpush_bench.sim.engine import SimEngine, SimSpec, content_key
-from tests.conftest import free_port, wait_until
+from kvpush.core.types import WorkerConfig
+from kvpush_bench.sim.engine import content_key
+from tests.conftest import wait_until
+from tests.unit.test_push_states import Pair
 
-FAST = {"heartbeat_interval_s": 0.05}  # default handshake timeout: CI machines can be busy
+# test_push_states.Pair's fast heartbeats, with the default handshake timeout (CI machines
+# can be busy)
+WORKER = {"handshake_timeout_s": WorkerConfig.handshake_timeout_s}
 
 
 def apply_pieces(dst: CopyDst, src: list[Any], move: Any) -> None:
@@ -87,44 +89,34 @@ class MemmovePeerCopy:
         self.forgotten.append(peer)
 
 
-class CopyPair:
+class CopyPair(Pair):
     """P and D SimEngines over the in-memory transport, each with its peer-copy hook."""
 
-    def __init__(self, p_kw: dict[str, Any], d_kw: dict[str, Any]) -> None:
-        fabric = Fabric()
-        self.p = self._engine("P", fabric, p_kw)
-        self.d = self._engine("D", fabric, d_kw)
-        self.d_events: list[tuple[str, str, dict[str, Any]]] = []
-
-    @staticmethod
-    def _engine(name: str, fabric: Fabric, kw: dict[str, Any]) -> SimEngine:
-        kw = dict(kw)
-        worker = {**FAST, **kw.pop("worker", {})}  # WorkerConfig fields of this side
-        spec = SimSpec(name, free_port(), layers=2, num_blocks=256, block_bytes=4096, worker=worker)
-        return SimEngine(spec, MemoryTransport(fabric, make_agent_name(name, 0)), **kw)
-
-    def step(self) -> None:
-        self.p.step()
-        self.d.step()
-        self.d_events += self.d.take_events()
-        self.p.take_events()
+    def __init__(
+        self, p: MemmovePeerCopy | None, d: MemmovePeerCopy | None, d_worker: Any = None
+    ) -> None:
+        super().__init__(
+            d_kw={"worker": d_worker or {}},
+            p_engine={"peer_copy": p},
+            d_engine={"peer_copy": d},
+            layers=2,
+            num_blocks=256,
+            block_bytes=4096,
+            worker=WORKER,
+        )
 
     def push(self, rid: str, n: int) -> None:
-        self.d.register(rid, rid, n, "P", "127.0.0.1", self.p.spec.port)
-        wait_until(lambda: self.p.worker.snapshot()["pending_registrations"] > 0, 30, self.step)
+        self.register(rid, rid, n)
+        self.until(lambda: self.p.worker.snapshot()["pending_registrations"] > 0, 30)
         self.p.prefill(rid, rid, n)
 
     def outcome(self, rid: str) -> tuple[str, dict[str, Any]]:
         def ended() -> bool:
             return any(r == rid and k in ("recv", "failed") for k, r, _ in self.d_events)
 
-        wait_until(ended, 30, self.step, f"{rid} to end")
-        wait_until(lambda: self.p.held_blocks() == 0, 30, self.step, "P to free its blocks")
+        self.until(ended, 30, f"{rid} to end")
+        self.until(lambda: self.p.held_blocks() == 0, 30, "P to free its blocks")
         return next((k, info) for k, r, info in self.d_events if r == rid and k != "registered")
-
-    def close(self) -> None:
-        self.p.close()
-        self.d.close()
 
 
 @pytest.fixture
@@ -132,8 +124,7 @@ def pair() -> Any:
     made: list[CopyPair] = []
 
     def make(p: MemmovePeerCopy | None, d: MemmovePeerCopy | None, **kw: Any) -> CopyPair:
-        d_kw = {"peer_copy": d, "worker": kw.get("d_worker", {})}
-        made.append(CopyPair({"peer_copy": p}, d_kw))
+        made.append(CopyPair(p, d, kw.get("d_worker", {})))
         return made[-1]
 
     yield make
@@ -265,7 +256,7 @@ def test_without_a_lane_word_the_copy_is_notified_after_it(pair: Any, slots: int
 def test_no_lane_word_for_a_source_on_another_host(monkeypatch: pytest.MonkeyPatch) -> None:
     hosts = iter(["p-host/boot", "d-host/boot"])  # P's worker is made first
     monkeypatch.setattr("kvpush.core.worker.host_identity", lambda: next(hosts))
-    pr = CopyPair({"peer_copy": MemmovePeerCopy("h1")}, {"peer_copy": MemmovePeerCopy("h1")})
+    pr = CopyPair(MemmovePeerCopy("h1"), MemmovePeerCopy("h1"))
     try:
         pr.push("r0", 4)
         kind, info = pr.outcome("r0")

@@ -31,8 +31,13 @@ class Pair:
         p_kw: dict[str, Any] | None = None,
         d_kw: dict[str, Any] | None = None,
         p_fetch: Callable[..., Any] = fetch_agent_info,
+        p_engine: dict[str, Any] | None = None,
+        d_engine: dict[str, Any] | None = None,
         **spec: Any,
     ) -> None:
+        """``p_kw`` / ``d_kw``: SimSpec fields of one side (``worker``: WorkerConfig fields);
+        ``p_engine`` / ``d_engine``: further SimEngine arguments (``peer_copy``, say);
+        ``spec``: SimSpec fields of both."""
         self.fabric = Fabric()
         worker = {**FAST, **spec.pop("worker", {})}
         p_kw, d_kw = dict(p_kw or {}), dict(d_kw or {})
@@ -42,10 +47,12 @@ class Pair:
             SimSpec("P", free_port(), worker=p_worker, **spec, **p_kw),
             MemoryTransport(self.fabric, make_agent_name("P", 0)),
             fetch=p_fetch,
+            **(p_engine or {}),
         )
         self.d = SimEngine(
             SimSpec("D", free_port(), worker=d_worker, **spec, **d_kw),
             MemoryTransport(self.fabric, make_agent_name("D", 0)),
+            **(d_engine or {}),
         )
         self.p_events: list[tuple[str, str, dict[str, Any]]] = []
         self.d_events: list[tuple[str, str, dict[str, Any]]] = []
