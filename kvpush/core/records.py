@@ -60,6 +60,28 @@ class PendingGroup:
 
 
 @dataclass
+class HandOver:
+    """P: a request whose blocks the engine handed over before finishing it
+    (``StepMeta.early``). Until the engine has finished it the blocks are the running
+    request's, so its ``finished_sending`` goes out once both have happened, in either
+    order: its push ended (``sent``) and the engine finished it (``confirmed``)."""
+
+    rid: str
+    sent: bool = False
+    confirmed: bool = False
+
+    def on_sent(self) -> bool:
+        """The push ended; True when the engine already finished the request (report)."""
+        self.sent = True
+        return self.confirmed
+
+    def on_confirmed(self) -> bool:
+        """The engine finished the request; True when its push already ended (report)."""
+        self.confirmed = True
+        return self.sent
+
+
+@dataclass
 class PRequest:
     """A finished P request: one leg per D rank that registered (every D rank does)."""
 

@@ -30,6 +30,7 @@ from kvpush.core.layout import KVLayout, group_limits
 from kvpush.core.peer_copy import PeerCopyHook
 from kvpush.core.peers import PeerTable
 from kvpush.core.producer import Producer
+from kvpush.core.records import HandOver
 from kvpush.core.shared import Shared
 from kvpush.core.transport import Transport
 from kvpush.core.types import StagedBlocks, StepMeta, WorkerConfig, WorkerOutput
@@ -116,11 +117,9 @@ class PushWorker:
             config.host, config.port, self.info, config.shared_secret, self.peers.authenticated.add
         )
         self._next_tick = 0.0  # when get_finished must tick even if idle
-        # Requests handed over early (hand_over) that the engine has not finished yet: their
-        # "sent" waits in _kept until start_step brings their confirmation.
-        self._early: set[str] = set()
-        self._kept: set[str] = set()
-        self._sent_now: set[str] = set()  # confirmed after they were sent: next get_finished
+        # Requests handed over early (hand_over) until both their push ended and the engine
+        # finished them (StepMeta.confirmed): only then is their "sent" reported.
+        self._handed: dict[str, HandOver] = {}
         # The engine thread and the keeper take turns under this lock.
         self._lock = threading.Lock()
         self._engine_seen = time.monotonic()  # the engine's last call
@@ -140,10 +139,10 @@ class PushWorker:
 
     def _start_step(self, meta: StepMeta) -> None:
         for rid in meta.confirmed:
-            if rid in self._kept:
-                self._kept.discard(rid)
-                self._sent_now.add(rid)
-            self._early.discard(rid)
+            h = self._handed.get(rid)
+            if h is not None and h.on_confirmed():
+                del self._handed[rid]
+                self.emit("sent", rid)  # its push ended before: reported at get_finished
         self._take_finished(meta.finished)  # first: its copy starts before anything else
         for reg in meta.registrations:
             self.consumer.reg_send_inbox.put(("reg", reg, None))
@@ -169,7 +168,8 @@ class PushWorker:
         self._check_alive()
         with self._lock:
             self.stats["handed_over"] += len(early)
-            self._early.update(s.request_id for s in early)
+            for s in early:
+                self._handed[s.request_id] = HandOver(s.request_id)
             self._take_finished(early)
             self._tick_now()
 
@@ -184,15 +184,13 @@ class PushWorker:
             self._engine_seen = time.monotonic()
             self._poll()
         out = WorkerOutput()
-        if self._sent_now:
-            out.finished_sending, self._sent_now = self._sent_now, set()
         results = self._results
         while not results.empty():  # the engine thread is the only consumer
             kind, rid, reason = results.get_nowait()
             if kind == "sent":
-                if rid in self._early:  # not finished by the engine yet: keep it back
-                    self._kept.add(rid)
-                else:
+                h = self._handed.get(rid)
+                if h is None or h.on_sent():  # else kept back until the engine finished it
+                    self._handed.pop(rid, None)
                     out.finished_sending.add(rid)
             elif kind == "recv":
                 out.finished_recving.add(rid)
@@ -236,6 +234,10 @@ class PushWorker:
         self.transport.close()
         if self.lane is not None:
             self.lane.close()
+
+    def handed_over(self, rid: str) -> HandOver | None:
+        """The hand-over record of ``rid`` while its finished_sending is not reported."""
+        return self._handed.get(rid)
 
     def keeper_alive(self) -> bool:
         return self._thread.is_alive()

@@ -484,6 +484,12 @@ def test_received_bytes_count_each_group_once() -> None:
         assert c._nbytes(t) == want
 
 
+def kept_back(pair: Pair, rid: str) -> bool:
+    """P's push of ``rid`` ended, but its finished_sending waits for the engine's finish."""
+    h = pair.p.worker.handed_over(rid)
+    return h is not None and h.sent and not h.confirmed
+
+
 def test_early_hand_over_is_reported_sent_only_once_the_engine_finished_it(
     pair_factory: Callable[..., Pair],
 ) -> None:
@@ -493,7 +499,7 @@ def test_early_hand_over_is_reported_sent_only_once_the_engine_finished_it(
     pair.p.prefill("p1", "t1", 4, early=True)
     pair.until(lambda: recv_ok(pair, "d1"), what="verified receive")
     # The push is over, but P's engine has not finished the request: the blocks stay its.
-    pair.until(lambda: "p1" in pair.p.worker._kept, what="finished_sending kept back")
+    pair.until(lambda: kept_back(pair, "p1"), what="finished_sending kept back")
     for _ in range(5):
         pair.step()
     assert "sent" not in pair.p_kinds("p1")
@@ -513,7 +519,8 @@ def test_early_hand_over_finished_before_its_push_ends(pair_factory: Callable[..
     pair.step()  # handed over; no registration yet
     pair.p.finish("p1")  # confirmed before anything was sent
     pair.step()
-    assert pair.p.worker._early == set() and "sent" not in pair.p_kinds("p1")
+    h = pair.p.worker.handed_over("p1")
+    assert h is not None and h.confirmed and not h.sent and "sent" not in pair.p_kinds("p1")
     pair.register("d1", "t1", 3)
     pair.until(lambda: recv_ok(pair, "d1"), what="verified receive")
     pair.until(lambda: "sent" in pair.p_kinds("p1"), what="finished_sending on P")
@@ -525,7 +532,7 @@ def test_early_hand_over_past_its_lease_waits_for_the_finish(
 ) -> None:
     pair = pair_factory(p_kw={"lease_s": 0.2})
     pair.p.prefill("p1", "t1", 3, early=True)  # no decoder ever registers
-    pair.until(lambda: "p1" in pair.p.worker._kept, what="evicted, kept back")
+    pair.until(lambda: kept_back(pair, "p1"), what="evicted, kept back")
     assert "sent" not in pair.p_kinds("p1") and pair.p.held_blocks() == 3
     pair.p.finish("p1")
     pair.until(lambda: "sent" in pair.p_kinds("p1"), what="freed after the finish")

@@ -367,3 +367,14 @@ def test_stepped_cancel_and_lease_end_a_waiting_leg_not_a_writing_one() -> None:
     p, w, leg = stepped_p(connected=False)
     p.on_evict("p1")
     assert leg.state is State.EXPIRED and w.stats["lease_expired"] == 1
+
+
+def test_a_hand_over_is_reported_once_sent_and_confirmed_in_either_order() -> None:
+    from kvpush.core.records import HandOver
+
+    pushed_first = HandOver("r1")
+    assert not pushed_first.on_sent()  # the engine has not finished it: kept back
+    assert pushed_first.on_confirmed()
+    finished_first = HandOver("r2")
+    assert not finished_first.on_confirmed()  # its push still runs
+    assert finished_first.on_sent()
