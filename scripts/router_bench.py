@@ -71,21 +71,17 @@ def wait_http(url: str, timeout: float = 60.0, proc: subprocess.Popen[bytes] | N
             time.sleep(0.2)
 
 
-def start(
-    argv: list[str], log: Path, env: dict[str, str] | None = None
-) -> subprocess.Popen[bytes]:
+def start(argv: list[str], log: Path, cwd: str | None = None) -> subprocess.Popen[bytes]:
     out = open(log, "wb")  # noqa: SIM115 - the child owns it
     return subprocess.Popen(
-        argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env
+        argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, cwd=cwd
     )
 
 
-def router_env(name: str) -> dict[str, str] | None:
-    """``kvpush@DIR``: kvpush's router importing kvpush from DIR (an A/B of two trees in
-    one run); every other contender inherits this process's environment."""
-    if not name.startswith("kvpush@"):
-        return None
-    return dict(os.environ, PYTHONPATH=os.path.abspath(name.split("@", 1)[1]))
+def router_cwd(name: str) -> str | None:
+    """``kvpush@DIR``: kvpush's router started in DIR, so that `python -m` imports kvpush
+    from there (ahead of PYTHONPATH): an A/B of two trees in one run."""
+    return os.path.abspath(name.split("@", 1)[1]) if name.startswith("kvpush@") else None
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:
@@ -205,7 +201,7 @@ def bench_router(
         port = free_port()
         argv = router_argv(name, port, urls["prefill"], urls["decode"], args.cprofile)
         log = logs / f"router-{name.replace('/', '_')}.log"
-        proc = start(pinned(argv, args.router_cpus), log, router_env(name))
+        proc = start(pinned(argv, args.router_cpus), log, router_cwd(name))
         url = f"http://127.0.0.1:{port}"
     groups = dict(fakes, **({"router": proc.pid} if proc else {}))
     try:
