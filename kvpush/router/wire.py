@@ -284,7 +284,8 @@ class Upstreams:
         tls = None
         if t.tls:
             tls = self._tls = self._tls or ssl.create_default_context()
-        transport, conn = await loop.create_connection(lambda: _Conn(self, t.key), t.host, t.port, ssl=tls)
+        made = await loop.create_connection(lambda: _Conn(self, t.key), t.host, t.port, ssl=tls)
+        transport, conn = made
         conn.transport = transport  # uvloop may call connection_made only after this
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
