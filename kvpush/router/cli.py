@@ -104,7 +104,6 @@ def instances(args: argparse.Namespace) -> tuple[InstanceSpec, ...]:
 
 def run(args: argparse.Namespace) -> int:
     # Imported here so that `kvpush --help` does not need aiohttp.
-    import uvloop
     from aiohttp import web
 
     from kvpush.router.app import RouterConfig, make_app
@@ -143,9 +142,6 @@ def run(args: argparse.Namespace) -> int:
         port=args.port,
         access_log=None,
         handler_cancellation=True,
-        # uvloop: about a third less CPU per streamed request than asyncio's loop
-        # (docs/benchmarks.md, "Routers over fake upstreams").
-        loop=uvloop.new_event_loop(),
         # Many clients connecting at once (a benchmark's start) overflowed aiohttp's
         # default 128, and each dropped SYN costs a client a 1 s retransmit.
         backlog=1024,

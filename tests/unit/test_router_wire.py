@@ -1,23 +1,16 @@
-"""The router's upstream HTTP/1.1 client (kvpush/router/wire.py), on asyncio's loop and on
-uvloop (the router's): connection reuse, bodies ended by length, chunks or the close,
-and upstreams that break off."""
+"""The router's upstream HTTP/1.1 client (kvpush/router/wire.py): connection reuse,
+bodies ended by length, chunks or the close, and upstreams that break off."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
-import uvloop
 from aiohttp import web
 
 from kvpush.router import wire
 
-RUNNERS: dict[str, Callable[[Awaitable[Any]], Any]] = {
-    "asyncio": asyncio.run,
-    "uvloop": uvloop.run,
-}
 DEADLINE = 10.0
 
 
@@ -46,8 +39,7 @@ async def raw_server(reply: bytes, close: bool) -> tuple[asyncio.Server, str]:
     return server, f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
 
 
-@pytest.mark.parametrize("loop", RUNNERS)
-def test_streams_and_answers_reuse_one_kept_alive_connection(loop: str) -> None:
+def test_streams_and_answers_reuse_one_kept_alive_connection() -> None:
     peers: set[Any] = set()
     seen: list[tuple[str, str, bytes]] = []
 
@@ -90,13 +82,10 @@ def test_streams_and_answers_reuse_one_kept_alive_connection(loop: str) -> None:
         assert len(peers) == 1, peers
         assert seen == [(str(n), "application/json", b'{"n": %d}' % n) for n in range(3)]
 
-    RUNNERS[loop](main())
+    asyncio.run(main())
 
 
-@pytest.mark.parametrize("loop", RUNNERS)
-def test_an_unfinished_or_stale_response_is_not_reused(
-    loop: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_an_unfinished_or_stale_response_is_not_reused(monkeypatch: pytest.MonkeyPatch) -> None:
     peers: list[Any] = []
 
     async def unary(request: web.Request) -> web.Response:
@@ -124,11 +113,10 @@ def test_an_unfinished_or_stale_response_is_not_reused(
             await runner.cleanup()
         assert len(set(peers)) == 3, peers
 
-    RUNNERS[loop](main())
+    asyncio.run(main())
 
 
-@pytest.mark.parametrize("loop", RUNNERS)
-def test_bodies_that_end_with_the_connection_or_break_off(loop: str) -> None:
+def test_bodies_that_end_with_the_connection_or_break_off() -> None:
     async def main() -> None:
         up = wire.Upstreams()
         try:
@@ -160,7 +148,7 @@ def test_bodies_that_end_with_the_connection_or_break_off(loop: str) -> None:
         finally:
             up.close()
 
-    RUNNERS[loop](main())
+    asyncio.run(main())
 
 
 def test_only_http_urls() -> None:
