@@ -71,9 +71,17 @@ def wait_http(url: str, timeout: float = 60.0, proc: subprocess.Popen[bytes] | N
             time.sleep(0.2)
 
 
-def start(argv: list[str], log: Path) -> subprocess.Popen[bytes]:
+def start(argv: list[str], log: Path, cwd: str | None = None) -> subprocess.Popen[bytes]:
     out = open(log, "wb")  # noqa: SIM115 - the child owns it
-    return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    return subprocess.Popen(
+        argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, cwd=cwd
+    )
+
+
+def router_cwd(name: str) -> str | None:
+    """``kvpush@DIR``: kvpush's router started in DIR, so that `python -m` imports kvpush
+    from there (ahead of PYTHONPATH): an A/B of two trees in one run."""
+    return os.path.abspath(name.split("@", 1)[1]) if name.startswith("kvpush@") else None
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:
@@ -118,7 +126,7 @@ def cpu_seconds(pgid: int) -> float:
 def router_argv(
     name: str, port: int, p_url: str, d_url: str, cprofile: str | None = None
 ) -> list[str]:
-    if name == "kvpush":
+    if name.split("@")[0] == "kvpush":
         prof = ["-m", "cProfile", "-o", cprofile] if cprofile else []
         argv = [sys.executable, *prof, "-m", "kvpush.cli", "router", "--port", str(port)]
         return argv + ["--prefill", p_url, "--decode", d_url]
@@ -192,7 +200,8 @@ def bench_router(
     if name != "direct":
         port = free_port()
         argv = router_argv(name, port, urls["prefill"], urls["decode"], args.cprofile)
-        proc = start(pinned(argv, args.router_cpus), logs / f"router-{name}.log")
+        log = logs / f"router-{name.replace('/', '_')}.log"
+        proc = start(pinned(argv, args.router_cpus), log, router_cwd(name))
         url = f"http://127.0.0.1:{port}"
     groups = dict(fakes, **({"router": proc.pid} if proc else {}))
     try:
@@ -232,7 +241,7 @@ def profiler(
     one file per router and level; py-spy's own CPU is not the router's)."""
     if not args.profile or proc is None:
         return None
-    out = Path(args.profile) / f"{name}-{streams}.txt"
+    out = Path(args.profile) / f"{name.replace('/', '_')}-{streams}.txt"
     out.parent.mkdir(parents=True, exist_ok=True)
     argv = [args.py_spy, "record", "-p", str(proc.pid), "-r", "250", "-f", "raw", "-o", str(out)]
     spy = subprocess.Popen(argv + ["--nonblocking"], stdout=subprocess.DEVNULL)

@@ -40,8 +40,17 @@ import aiohttp
 from aiohttp import web
 
 from kvpush.core import trace
-from kvpush.router import admin, bodies, info, legs, replies, sse, upkeep
-from kvpush.router.config import BACKGROUND, CONFIG, LIMITS, METRICS, POOL, SESSION, RouterConfig
+from kvpush.router import admin, bodies, info, legs, replies, sse, upkeep, wire
+from kvpush.router.config import (
+    BACKGROUND,
+    CONFIG,
+    LIMITS,
+    METRICS,
+    POOL,
+    SESSION,
+    UPSTREAMS,
+    RouterConfig,
+)
 from kvpush.router.metrics import RouterMetrics
 from kvpush.router.pool import Instance, Pool, Role, affinity_key
 from kvpush.router.tracking import leg, refusal, retrieve, succeeded, timed, unless_lost, using
@@ -89,12 +98,14 @@ async def _session_ctx(app: web.Application) -> AsyncIterator[None]:
         connector=aiohttp.TCPConnector(limit=0),
     )
     app[SESSION] = session
+    app[UPSTREAMS] = wire.Upstreams()
     yield
     background: set[asyncio.Task[Any]] = app[BACKGROUND]
     pending = list(background)
     for task in pending:
         task.cancel()
     await asyncio.gather(*pending, return_exceptions=True)
+    app[UPSTREAMS].close()
     await session.close()
 
 
@@ -189,9 +200,7 @@ async def _attempt(
         leg(
             metrics,
             p,
-            legs.call_unary(
-                app[SESSION], "prefill", p.url + path, pbody, dict(headers), cfg.timeout
-            ),
+            legs.call_unary(app[UPSTREAMS], "prefill", p.url + path, pbody, headers, cfg.timeout),
         )
     )
     if trace.ON:  # P's answer (its first token, as one plain server would send it)
@@ -271,7 +280,7 @@ async def _serve_unary(
 ) -> Outcome:
     app = request.app
     cfg = app[CONFIG]
-    call = legs.call_unary(app[SESSION], "decode", d.url + path, dbody, headers, cfg.timeout)
+    call = legs.call_unary(app[UPSTREAMS], "decode", d.url + path, dbody, headers, cfg.timeout)
     decode = asyncio.create_task(leg(app[METRICS], d, call))
     ok = False
     try:
@@ -356,12 +365,12 @@ async def _serve_stream(
 
 async def _open_first(
     app: web.Application, url: str, dbody: dict[str, Any], headers: dict[str, str], check: bool
-) -> tuple[aiohttp.ClientResponse, bytes]:
+) -> tuple[wire.Response, bytes]:
     """Open the decode stream and read its first chunk. With `check`, a stream that
     begins with a server-side error event (vLLM's 5xx after its 200: say, no KV in time)
     is a `LegError`, so the request can be sent again; without, it is relayed as is."""
     timeout = app[CONFIG].timeout
-    upstream = await legs.open_stream(app[SESSION], "decode", url, dbody, headers, timeout)
+    upstream = await legs.open_stream(app[UPSTREAMS], "decode", url, dbody, headers, timeout)
     try:
         first = await legs.read_chunk(upstream, "decode", timeout)
         if not first:
@@ -380,7 +389,7 @@ def _abandon_stream(
     app: web.Application,
     tid: str,
     prefill: asyncio.Task[Any],
-    opening: asyncio.Task[tuple[aiohttp.ClientResponse, bytes]],
+    opening: asyncio.Task[tuple[wire.Response, bytes]],
 ) -> None:
     # The decode stream may have opened just as the prefill leg failed: give its
     # connection back rather than leak it.

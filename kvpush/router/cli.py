@@ -142,5 +142,8 @@ def run(args: argparse.Namespace) -> int:
         port=args.port,
         access_log=None,
         handler_cancellation=True,
+        # Many clients connecting at once (a benchmark's start) overflowed aiohttp's
+        # default 128, and each dropped SYN costs a client a 1 s retransmit.
+        backlog=1024,
     )
     return 0

@@ -9,6 +9,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from kvpush.router import wire
 from kvpush.router.metrics import RouterMetrics
 from kvpush.router.pool import InstanceSpec, Policy, Pool
 
@@ -68,7 +69,8 @@ class RouterConfig:
 
 CONFIG = web.AppKey("config", RouterConfig)
 METRICS = web.AppKey("metrics", RouterMetrics)
-SESSION = web.AppKey("session", aiohttp.ClientSession)
+SESSION = web.AppKey("session", aiohttp.ClientSession)  # probes, scrapes, /v1/models
+UPSTREAMS = web.AppKey("upstreams", wire.Upstreams)  # the legs of client requests
 POOL = web.AppKey("pool", Pool)
 BACKGROUND: web.AppKey[set[asyncio.Task[Any]]] = web.AppKey("background")
 LIMITS: web.AppKey[dict[str, float | None]] = web.AppKey("limits")  # learnt from D

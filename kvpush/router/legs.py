@@ -8,12 +8,13 @@ a raw aiohttp exception).
 from __future__ import annotations
 
 import asyncio
-import functools
+import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import aiohttp
-from yarl import URL
+
+from kvpush.router import wire
 
 LegName = Literal["prefill", "decode"]
 # timeout: no answer in time; upstream: answered non-2xx; connection: could not talk to it.
@@ -23,6 +24,7 @@ ErrorKind = Literal["timeout", "upstream", "connection"]
 _MAX_DETAIL = 500
 # A refusal (4xx) is passed to the client whole, up to this size.
 _MAX_REFUSAL = 64 * 1024
+_JSON = "application/json"
 
 
 class LegError(Exception):
@@ -84,13 +86,7 @@ class LegResult:
     content_type: str
 
 
-@functools.lru_cache(maxsize=4096)
-def _url(url: str) -> URL:
-    # Parsed once per instance and path: aiohttp parses (and quotes) a str on every call.
-    return URL(url)
-
-
-def _upstream_error(leg: LegName, resp: aiohttp.ClientResponse, data: bytes) -> LegError:
+def _upstream_error(leg: LegName, resp: wire.Response, data: bytes) -> LegError:
     detail = data[:_MAX_DETAIL].decode("utf-8", errors="replace")
     ctype = resp.headers.get("Content-Type", "application/json")
     return LegError(
@@ -98,8 +94,13 @@ def _upstream_error(leg: LegName, resp: aiohttp.ClientResponse, data: bytes) -> 
     )
 
 
+# What an upstream call raises when it cannot talk to the upstream: OSError (refused,
+# reset, wire.UpstreamClosed), ValueError (a URL that is not http(s)).
+_UNREACHABLE = (OSError, ValueError)
+
+
 async def call_unary(
-    session: aiohttp.ClientSession,
+    upstreams: wire.Upstreams,
     leg: LegName,
     url: str,
     body: dict[str, Any],
@@ -109,38 +110,44 @@ async def call_unary(
     """POST `body` and read the whole answer within `timeout` seconds."""
     try:
         async with asyncio.timeout(timeout):
-            async with session.post(_url(url), json=body, headers=headers) as resp:
+            resp = await upstreams.post(url, json.dumps(body).encode(), headers, _JSON)
+            try:
                 data = await resp.read()
-                if not 200 <= resp.status < 300:
-                    raise _upstream_error(leg, resp, data)
-                ctype = resp.headers.get("Content-Type", "application/json")
-                return LegResult(resp.status, data, ctype)
+            finally:
+                resp.release()
+            if not 200 <= resp.status < 300:
+                raise _upstream_error(leg, resp, data)
+            ctype = resp.headers.get("Content-Type", _JSON)
+            return LegResult(resp.status, data, ctype)
     except TimeoutError:
         raise LegError(leg, "timeout", f"no complete answer within {timeout:g}s") from None
-    except (aiohttp.ClientError, OSError) as exc:
+    except _UNREACHABLE as exc:
         raise LegError(leg, "connection", f"{type(exc).__name__}: {exc}") from exc
 
 
 async def open_stream(
-    session: aiohttp.ClientSession,
+    upstreams: wire.Upstreams,
     leg: LegName,
     url: str,
     body: dict[str, Any] | bytes,
     headers: dict[str, str],
     timeout: float,
     any_status: bool = False,
-) -> aiohttp.ClientResponse:
-    """POST `body` (a JSON object, or bytes sent as they are) and return the response
-    once its headers are in: 2xx only, unless `any_status`.
+) -> wire.Response:
+    """POST `body` (a JSON object, or bytes sent as they are, with the Content-Type in
+    `headers`) and return the response once its headers are in: 2xx only, unless
+    `any_status`.
 
     The caller owns the returned response and must `release()` or `close()` it.
     """
     try:
         async with asyncio.timeout(timeout):
             if isinstance(body, bytes):
-                resp = await session.post(_url(url), data=body, headers=headers)
+                headers = dict(headers)
+                ctype = headers.pop("Content-Type", _JSON)
+                resp = await upstreams.post(url, body, headers, ctype)
             else:
-                resp = await session.post(_url(url), json=body, headers=headers)
+                resp = await upstreams.post(url, json.dumps(body).encode(), headers, _JSON)
             if not any_status and not 200 <= resp.status < 300:
                 try:
                     data = await resp.read()
@@ -150,29 +157,29 @@ async def open_stream(
             return resp
     except TimeoutError:
         raise LegError(leg, "timeout", f"no response headers within {timeout:g}s") from None
-    except (aiohttp.ClientError, OSError) as exc:
+    except _UNREACHABLE as exc:
         raise LegError(leg, "connection", f"{type(exc).__name__}: {exc}") from exc
 
 
-async def read_all(resp: aiohttp.ClientResponse, leg: LegName, timeout: float) -> bytes:
+async def read_all(resp: wire.Response, leg: LegName, timeout: float) -> bytes:
     """The rest of a response's body, within `timeout` seconds."""
     try:
         async with asyncio.timeout(timeout):
             return await resp.read()
     except TimeoutError:
         raise LegError(leg, "timeout", f"no complete answer within {timeout:g}s") from None
-    except (aiohttp.ClientError, OSError) as exc:
+    except OSError as exc:
         raise LegError(leg, "connection", f"{type(exc).__name__}: {exc}") from exc
 
 
-async def read_chunk(resp: aiohttp.ClientResponse, leg: LegName, timeout: float) -> bytes:
+async def read_chunk(resp: wire.Response, leg: LegName, timeout: float) -> bytes:
     """Next piece of a streamed body (b"" at its end); `timeout` bounds the gap between pieces."""
     try:
         async with asyncio.timeout(timeout):
-            return await resp.content.readany()
+            return await resp.readany()
     except TimeoutError:
         raise LegError(leg, "timeout", f"stream stalled for {timeout:g}s") from None
-    except (aiohttp.ClientError, OSError) as exc:
+    except OSError as exc:
         raise LegError(leg, "connection", f"{type(exc).__name__}: {exc}") from exc
 
 

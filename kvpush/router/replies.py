@@ -11,7 +11,7 @@ from typing import Any
 from aiohttp import web
 
 from kvpush.router import legs, sse
-from kvpush.router.config import CONFIG, METRICS, SESSION
+from kvpush.router.config import CONFIG, METRICS, UPSTREAMS
 from kvpush.router.pool import Instance, Role
 from kvpush.router.tracking import Verdict, timed, using
 
@@ -68,7 +68,7 @@ async def serve_alone(
     with using(metrics, d) as verdict:
         try:
             upstream = await legs.open_stream(
-                app[SESSION], "decode", url, raw, headers, cfg.timeout, any_status=True
+                app[UPSTREAMS], "decode", url, raw, headers, cfg.timeout, any_status=True
             )
         except legs.LegError as err:
             verdict.judge(err)

@@ -12,10 +12,9 @@ import asyncio
 import json
 from typing import Any
 
-import aiohttp
 from aiohttp import web
 
-from kvpush.router import legs
+from kvpush.router import legs, wire
 
 DONE = b"data: [DONE]"
 
@@ -65,7 +64,7 @@ class _Watchdog:
 
 
 async def pump(
-    upstream: aiohttp.ClientResponse,
+    upstream: wire.Response,
     out: web.StreamResponse,
     leg: legs.LegName,
     timeout: float,
@@ -77,7 +76,6 @@ async def pump(
     Raises `LegError` when the upstream stalls for `timeout` seconds, breaks, or ends
     without [DONE]."""
     watch = _Watchdog(timeout)
-    content = upstream.content
     tail = b""
     chunk = first
     try:
@@ -85,8 +83,8 @@ async def pump(
             if not chunk:
                 watch.since, watch.reading = watch.loop.time(), True
                 try:
-                    chunk = await content.readany()
-                except (aiohttp.ClientError, OSError) as exc:
+                    chunk = await upstream.readany()
+                except OSError as exc:
                     raise legs.LegError(leg, "connection", f"{type(exc).__name__}: {exc}") from exc
                 watch.reading = False
                 if not chunk:
