@@ -125,6 +125,16 @@ def _top(logprobs: dict[str, Any], chat: bool) -> Top:
     return [{int(k.split(":")[1]): v for k, v in pos.items()} for pos in logprobs["top_logprobs"]]
 
 
+def divergence(got: list[int], ref: list[int], top: Top) -> str:
+    """Where ``got`` first leaves ``ref``, and how far its token was from the best there."""
+    for i, (a, b) in enumerate(zip(got, ref, strict=False)):
+        if a != b:
+            t = top[i]
+            gap = max(t.values()) - t[a] if a in t else None
+            return f"position {i}: {a} vs {b}, logprob gap {gap} (near tie: <= {NEAR_TIE})"
+    return f"lengths {len(got)} vs {len(ref)}"
+
+
 def same_or_near_tie(got: list[int], ref: list[int], top: Top) -> bool:
     """Equal, or equal up to a position where ``got`` took another token that the
     reference had among its top five within NEAR_TIE of its best (the sequences may
@@ -169,7 +179,7 @@ def _check(servers: dict[str, Any], case: Case, got: Reply, exact: bool = True) 
     if exact:
         assert mine == ref, (case.name, mine, ref)
     else:
-        assert same_or_near_tie(mine, ref, top), (case.name, mine, ref, top)
+        assert same_or_near_tie(mine, ref, top), (case.name, divergence(mine, ref, top))
     return mine == ref
 
 
