@@ -38,12 +38,18 @@ STAGES = (
 )
 
 
-def by_transfer(events: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
-    """transfer id -> stage -> wall time of its first mark."""
+def transfer_of(events: list[dict[str, Any]]) -> dict[str, str]:
+    """request id -> transfer id, from the first mark that carries both."""
     tid_of: dict[str, str] = {}
     for e in events:
         if e.get("id") and e.get("rid"):
             tid_of.setdefault(str(e["rid"]), str(e["id"]))
+    return tid_of
+
+
+def by_transfer(events: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """transfer id -> stage -> wall time of its first mark."""
+    tid_of = transfer_of(events)
     out: dict[str, dict[str, float]] = defaultdict(dict)
     for e in events:
         tid = e.get("id") or tid_of.get(str(e.get("rid")))
@@ -83,7 +89,7 @@ def timelines(samples: list[Any], events: list[dict[str, Any]], keep: int = 3) -
     mark of P's and D's processes from the client's send to its first token (+2 ms), as
     ``[ms from send, side, event, n]`` in time order (side: P, D, router or ?)."""
     marks = by_transfer(events)
-    tid_of = {str(e["rid"]): str(e["id"]) for e in events if e.get("id") and e.get("rid")}
+    tid_of = transfer_of(events)
     side_of: dict[str, str] = {}
     for e in events:
         ev = str(e["ev"])

@@ -68,7 +68,18 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         "tree, e.g. a git worktree of another commit); name it in --configs",
     )
     p.add_argument("--seed", type=int, default=0)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.trees = {}  # label -> source tree of each --variant
+    for v in args.variant:
+        label, sep, tree = v.partition("=")
+        if not (sep and label and tree):
+            p.error(f"--variant {v!r}: expected LABEL=DIR")
+        args.trees[label] = str(Path(tree).resolve())
+    for cfg in args.configs.split(","):
+        label = cfg.partition("@")[2] if cfg.startswith("kvpush@") else ""
+        if label and label not in args.trees:
+            p.error(f"{cfg} in --configs: no --variant {label}=DIR")
+    return args
 
 
 def _ints(s: str) -> tuple[int, ...]:
@@ -94,7 +105,6 @@ def start_all(args: argparse.Namespace, model: str, configs: list[str]) -> dict[
     out = Path(args.out)
     pairs: dict[str, Pair] = {}
     errors: dict[str, str] = {}
-    trees = dict(v.split("=", 1) for v in args.variant)
     for cfg in configs:
         pair = make_pair(cfg, model, str(out / "logs" / cfg), **_spec(args))
         if cfg.startswith("kvpush"):
@@ -105,9 +115,7 @@ def start_all(args: argparse.Namespace, model: str, configs: list[str]) -> dict[
                 env["KVPUSH_TRACE_DIR"] = str(out / "trace" / cfg)
             label = cfg.partition("@")[2]
             if label:
-                if label not in trees:
-                    raise SystemExit(f"{cfg}: no --variant {label}=DIR")
-                tree = str(Path(trees[label]).resolve())
+                tree = args.trees[label]
                 env["PYTHONPATH"] = os.pathsep.join([tree, os.environ.get("PYTHONPATH", "")])
                 env["PYTHONSAFEPATH"] = "1"  # else `python -m` puts the cwd's kvpush first
             pair.spec["env"] = env
@@ -209,9 +217,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for pair in pairs.values():
             pair.stop()
     result = aggregate(samples, configs, sizes, concs)
-    trees = dict(v.split("=", 1) for v in args.variant)
     result["labels"] = {
-        c: LABELS.get(c) or f"kvpush as in {trees.get(c.partition('@')[2])}" for c in configs
+        c: LABELS.get(c) or f"kvpush as in {args.trees[c.partition('@')[2]]}" for c in configs
     }
     result["options"] = {k: v for k, v in vars(args).items()}
     result["samples"] = records
