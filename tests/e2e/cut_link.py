@@ -26,7 +26,7 @@ class CutLink:
         self.target = ("127.0.0.1", target_port)
         self.hold = hold
         self.on_first_event = on_first_event
-        self.passed_first = threading.Event()  # a stream's first event went through
+        self.passed_first = threading.Event()  # a stream's first event is going through
         self._cut = threading.Event()
         self._server = socket.create_server(("127.0.0.1", 0))
         self.port = self._server.getsockname()[1]
@@ -83,8 +83,10 @@ class CutLink:
                     continue
                 if self.on_first_event is not None:
                     self.on_first_event()
-                dst.sendall(held[:end] if self.hold else held)
+                # Set before sending: the router's 200 (which a test checks this against)
+                # can reach the client before this thread runs again.
                 self.passed_first.set()
+                dst.sendall(held[:end] if self.hold else held)
                 if self.hold:
                     self._cut.wait()
                     return
