@@ -18,6 +18,7 @@ import msgspec
 
 from kvpush.core import trace, wire
 from kvpush.core.errors import HandshakeError, LayoutError, TransportError
+from kvpush.core.late_writes import kernel_hold_s
 from kvpush.core.layout import validate_block_ids
 from kvpush.core.records import RecvTransfer
 from kvpush.core.routing import d_sources
@@ -44,6 +45,9 @@ class Consumer:
         self.recvs: dict[str, RecvTransfer] = {}
         self.laned = 0  # receives whose every source has a lane word
         self._block_bytes: list[int] | None = None  # bytes of one logical block, per group
+        hold = shared.config.late_write_hold_s
+        self.hold_s = kernel_hold_s() if hold is None else hold
+        self.holds: dict[str, float] = {}  # failed receives whose blocks we keep: id -> until
 
     def outstanding(self) -> int:
         return len(self.recvs)
@@ -211,11 +215,16 @@ class Consumer:
             # Fence: keep the blocks until every P rank confirms nothing is in flight.
             return
         if expired:
-            # P ranks send heartbeats while they hold the registration: expiry means silence.
-            # A partition looks the same, and a WRITE P posted before it can still land
-            # here once the link heals (NIXL's disconnect does not stop bytes already on a
-            # TCP connection): keep watchdog_s above the network's give-up time (README).
             reason = t.fail_reason or "watchdog expired: no KV from the prefiller in time"
+            if not t.quiet and self.hold_s > 0:
+                # P ranks send heartbeats while they hold the registration: expiry means
+                # silence, and a partition looks the same. A WRITE posted before it can
+                # still land once the link heals: fail now, keep the blocks (late_writes).
+                why = f"{reason} (blocks held {self.hold_s:g} s)"
+                self._end(t, State.EXPIRED, "held", why, t.reg.block_ids)
+                self.holds[t.rid] = time.monotonic() + self.hold_s
+                self.s.stats["recv_held"] += 1
+                return
             self._end(t, State.EXPIRED, "released" if t.aborted else "failed", reason)
         else:
             self._end(t, State.CANCELLED, "released", "cancelled before P could write")
@@ -266,6 +275,10 @@ class Consumer:
 
     def on_completion(self, sender: str, c: wire.Completion) -> None:
         t = self.recvs.get(c.request_id)
+        if t is None and c.request_id in self.holds:
+            self.s.stats["completion_held"] += 1  # the late WRITE the hold is for
+            log.info("late completion for %s from %s: its blocks are held", c.request_id, sender)
+            return
         if t is None:
             self.s.stats["completion_unknown"] += 1
             log.warning("completion for unknown request %s from %s", c.request_id, sender)
@@ -313,7 +326,9 @@ class Consumer:
                 self.s.emit("renewed", t.rid)
 
     def on_timer(self, now: float) -> None:
-        del now
+        for rid in [rid for rid, until in self.holds.items() if until <= now]:
+            del self.holds[rid]
+            self.s.emit("released", rid)  # no WRITE of it can land any more
         held: dict[str, list[wire.HbEntry]] = defaultdict(list)
         for t in self.recvs.values():
             if t.state is State.AWAITING:
@@ -332,7 +347,9 @@ class Consumer:
         ids = t.reg.block_ids
         return sum(n * len(ids[g]) for g, n in enumerate(per))
 
-    def _end(self, t: RecvTransfer, state: State, kind: str, reason: str = "") -> None:
+    def _end(
+        self, t: RecvTransfer, state: State, kind: str, reason: str = "", blocks: Any = None
+    ) -> None:
         was = t.state
         transition(t, state, t.name, reason)
         if state is State.FAILED or state is State.EXPIRED:
@@ -345,4 +362,4 @@ class Consumer:
         if self.lane is not None:
             for slot in t.lanes:
                 self.lane.release(slot)
-        self.s.emit(kind, t.rid, reason)
+        self.s.emit(kind, t.rid, reason, blocks)

@@ -48,6 +48,7 @@ class Watched:
 
     deadline: float | None  # the watchdog; None once it expired or the request was rejected
     aborted: bool = False  # aborted: its blocks come back in ``released``
+    held: bool = False  # failed, its blocks kept from late WRITEs: they come back in ``released``
 
 
 class PushScheduler:
@@ -214,13 +215,21 @@ class PushScheduler:
                     kept.finished_recving.add(rid)
         for rid, reason in out.failed_recving.items():
             watched = self._d.pop(rid, None)
-            if watched is not None and watched.aborted:
+            if watched is not None and rid in out.held:
+                # Failed, but a late WRITE may still land: tracked (and the engine kept
+                # stepping) until its blocks come back in ``released``.
+                watched.deadline, watched.held = None, True
+                self._d[rid] = watched
+                kept.held[rid] = out.held[rid]
+                if not watched.aborted:
+                    kept.failed_recving[rid] = reason
+            elif watched is not None and watched.aborted:
                 kept.released.add(rid)
             elif watched is not None:
                 kept.failed_recving[rid] = reason
         for rid in out.released:
             watched = self._d.get(rid)
-            if watched is not None and watched.aborted:
+            if watched is not None and (watched.aborted or watched.held):
                 del self._d[rid]
                 kept.released.add(rid)
         for rid in out.renewed:

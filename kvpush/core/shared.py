@@ -20,5 +20,5 @@ class Shared:
     stats: Counter[str]
     peers: PeerTable
     notify: Callable[[str, wire.Message], bool]  # (agent, message): False if it failed
-    emit: Callable[..., None]  # (kind, request id[, reason]): a result for get_finished
+    emit: Callable[..., None]  # (kind, request id[, reason[, blocks]]): for get_finished
     observe: Callable[[str, float], None]  # (name, seconds): one latency

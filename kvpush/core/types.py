@@ -182,6 +182,9 @@ class WorkerOutput:
     finished_recving: set[str] = field(default_factory=set)  # D: KV arrived
     failed_recving: dict[str, str] = field(default_factory=dict)  # D: id -> reason
     released: set[str] = field(default_factory=set)  # D: aborted, no WRITE can touch blocks now
+    # D: failed (in failed_recving) with its blocks (per group), which stay out of the
+    # pool until ``released``: a late WRITE may still land in them (core/late_writes.py)
+    held: dict[str, list[list[int]]] = field(default_factory=dict)
     renewed: set[str] = field(default_factory=set)  # lease (P) / watchdog (D) heartbeats
 
     def __bool__(self) -> bool:
@@ -219,6 +222,9 @@ class WorkerConfig:
     # (given as bytes or str, kept as a Secret: no repr or log line shows it).
     trusted_decoders: frozenset[str] | None = None
     shared_secret: Secret | bytes | str | None = field(default=None, repr=False)
+    # D keeps a receive's blocks this long after its watchdog failed it while a P rank
+    # could still be writing (core/late_writes.py); None: the kernel's TCP give-up time.
+    late_write_hold_s: float | None = None
 
     def __post_init__(self) -> None:
         self.shared_secret = as_secret(self.shared_secret)
@@ -243,3 +249,5 @@ class WorkerConfig:
             raise ConfigError(f"lane_slots must be in [0, {MAX_SLOTS}], got {self.lane_slots}")
         if self.handshake_workers < 1:
             raise ConfigError("handshake_workers must be >= 1")
+        if self.late_write_hold_s is not None and not self.late_write_hold_s >= 0:
+            raise ConfigError(f"late_write_hold_s must be >= 0, got {self.late_write_hold_s}")

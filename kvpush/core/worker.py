@@ -66,8 +66,7 @@ class PushWorker:
         self.observations: dict[str, list[float]] = {}
         transport.register(layout)
         self.peer_copy = peer_copy  # optional one-kernel copy into a same-host peer
-        # Where same-host peers' copies report their end (core/lane.py): D's side of the
-        # peer-copy hook, so only workers that can be copied into have one.
+        # Where same-host copies into us report their end (core/lane.py): with a hook only.
         self.lane: CompletionLane | None = None
         if peer_copy is not None and config.lane_slots:
             try:
@@ -89,7 +88,7 @@ class PushWorker:
         )
         self._wake = threading.Event()
         self._stop = threading.Event()
-        self._results: queue.SimpleQueue[tuple[str, str, str]] = queue.SimpleQueue()
+        self._results: queue.SimpleQueue[tuple[str, str, str, Any]] = queue.SimpleQueue()
         self.peers = PeerTable(
             config,
             transport,
@@ -186,7 +185,7 @@ class PushWorker:
         out = WorkerOutput()
         results = self._results
         while not results.empty():  # the engine thread is the only consumer
-            kind, rid, reason = results.get_nowait()
+            kind, rid, reason, blocks = results.get_nowait()
             if kind == "sent":
                 h = self._handed.get(rid)
                 if h is None or h.on_sent():  # else kept back until the engine finished it
@@ -194,8 +193,10 @@ class PushWorker:
                     out.finished_sending.add(rid)
             elif kind == "recv":
                 out.finished_recving.add(rid)
-            elif kind == "failed":
+            elif kind in ("failed", "held"):  # held: its blocks stay ours until "released"
                 out.failed_recving[rid] = reason
+                if kind == "held":
+                    out.held[rid] = blocks
             elif kind == "released":
                 out.released.add(rid)
             elif kind == "renewed":
@@ -263,8 +264,8 @@ class PushWorker:
         out, self.observations = self.observations, {}
         return out
 
-    def emit(self, kind: str, rid: str, reason: str = "") -> None:
-        self._results.put((kind, rid, reason))
+    def emit(self, kind: str, rid: str, reason: str = "", blocks: Any = None) -> None:
+        self._results.put((kind, rid, reason, blocks))
 
     def notify(self, agent: str, msg: wire.Message) -> bool:
         """Send a notification; False (and the peer forgotten if dead) on failure."""

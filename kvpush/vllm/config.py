@@ -34,6 +34,9 @@ class ConnectorOptions:
     # NIXL only); see kvpush/core/lane.py.
     lane_slots: int = 1 << 16
     trusted_decoders: str = ""  # "host:port,host:port" of decoder side channels; empty: any
+    # Seconds D keeps the blocks of a receive its watchdog failed while P could still be
+    # writing (kvpush/core/late_writes.py); "auto": the kernel's TCP give-up time.
+    late_write_hold_s: str = "auto"
     # From KVPUSH_SHARED_SECRET only; a Secret, so no repr (vLLM prints this) shows it.
     shared_secret: Secret | None = field(default=None, repr=False, compare=False)
 
@@ -41,6 +44,10 @@ class ConnectorOptions:
     def trusted(self) -> frozenset[str] | None:
         names = [x.strip() for x in self.trusted_decoders.split(",") if x.strip()]
         return frozenset(names) if names else None
+
+    @property
+    def hold_s(self) -> float | None:
+        return None if self.late_write_hold_s == "auto" else float(self.late_write_hold_s)
 
     @property
     def secret(self) -> Secret | None:
@@ -94,6 +101,13 @@ class ConnectorOptions:
                 raise ConfigError(f"trusted_decoders entry {where!r} is not host:port")
         if opts.peer_copy not in ("auto", "on", "off"):
             raise ConfigError("peer_copy must be 'auto', 'on' or 'off'")
+        if opts.late_write_hold_s != "auto":
+            try:
+                hold = float(opts.late_write_hold_s)
+            except ValueError:
+                hold = -1.0
+            if not hold >= 0:
+                raise ConfigError("late_write_hold_s must be 'auto' or seconds >= 0")
         if not 0 <= opts.lane_slots <= MAX_SLOTS:
             raise ConfigError(f"lane_slots must be in [0, {MAX_SLOTS}]")
         return opts

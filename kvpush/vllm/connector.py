@@ -50,6 +50,7 @@ class KVPushWorkerMeta(KVConnectorWorkerMetadata):  # type: ignore[misc]
     failed: dict[str, str] = field(default_factory=dict)
     released: set[str] = field(default_factory=set)
     renewed: set[str] = field(default_factory=set)
+    held: set[str] = field(default_factory=set)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVPushWorkerMeta:
         assert isinstance(other, KVPushWorkerMeta)
@@ -57,6 +58,7 @@ class KVPushWorkerMeta(KVConnectorWorkerMetadata):  # type: ignore[misc]
             {**self.failed, **other.failed},
             self.released | other.released,
             self.renewed | other.renewed,
+            self.held | other.held,
         )
 
 
@@ -128,6 +130,12 @@ class KVPushConnector(KVConnectorBase_V1):  # type: ignore[misc]
             failed_recving=set(rep.failed),
         )
 
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        # Asked after get_transfer_results each step: a held receive's blocks come here
+        # first, its id as finished once no late WRITE can land (core/late_writes.py).
+        assert self.worker_side is not None
+        return self.worker_side.take_load_errors()
+
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         res = self.get_transfer_results(finished_req_ids)
         return res.finished_sending or None, res.finished_recving or None
@@ -137,7 +145,7 @@ class KVPushConnector(KVConnectorBase_V1):  # type: ignore[misc]
         meta = self.worker_side.take_meta()
         if meta is None:
             return None
-        return KVPushWorkerMeta(meta.failed, meta.released, meta.renewed)
+        return KVPushWorkerMeta(meta.failed, meta.released, meta.renewed, meta.held)
 
     def get_kv_connector_stats(self) -> KVPushStats | None:
         if self.worker_side is None:

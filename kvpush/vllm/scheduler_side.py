@@ -264,5 +264,6 @@ class SchedulerSide:
             failed_recving=failed,
             released=released,
             renewed=set(getattr(worker_meta, "renewed", ()) or ()),
+            held={rid: [] for rid in getattr(worker_meta, "held", ()) or ()},  # ids suffice
         )
         self.sched.update(out)

@@ -24,6 +24,8 @@ _DOCS = {
     "push_failures": "Failed pushes and receives, by cause (kvpush)",
     "early_hand_overs": "Requests this prefiller pushed at the end of their forward (kvpush)",
     "withdrawals": "Requests aborted on D before they registered: D sent / P freed (kvpush)",
+    "late_write_holds": "Receives failed by the watchdog whose blocks stayed held (kvpush)",
+    "late_completions_held": "Completions that reached held blocks: late WRITEs (kvpush)",
     "illegal_transitions": "Transfers moved where their state table forbids: a bug (kvpush)",
 }
 _LABEL = {"pushes_sent": "path", "push_failures": "cause"}

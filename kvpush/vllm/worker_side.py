@@ -37,6 +37,10 @@ COUNTERS: dict[str, tuple[str, ...]] = {
     "push_failures:lease_expired": ("lease_expired",),
     "push_failures:receive_failed": ("recv_failed",),
     "push_failures:watchdog": ("recv_expired",),
+    # Watchdog failures whose blocks D kept for late_write_hold_s (core/late_writes.py),
+    # and completions that came for them in that time (a late WRITE that did land).
+    "late_write_holds": ("recv_held",),
+    "late_completions_held": ("completion_held",),
     # A transfer moved where its table (core/types.transition) forbids: a kvpush bug.
     "illegal_transitions": ("illegal_transition",),
 }
@@ -64,6 +68,7 @@ class StepReport:
     failed: dict[str, str] = field(default_factory=dict)
     released: set[str] = field(default_factory=set)
     renewed: set[str] = field(default_factory=set)
+    held: set[str] = field(default_factory=set)  # failed, blocks kept until released
 
 
 def layout_from_tensors(
@@ -134,6 +139,7 @@ class WorkerSide:
         self._cuda = False  # KV in GPU memory: early hand-overs carry an event
         self._idle = False  # this step schedules no tokens (KVPushMeta.idle)
         self._idle_since: float | None = None  # first of the empty steps in a row
+        self._load_errors: set[int] = set()  # see take_load_errors
 
     def register(
         self, kv_caches: dict[str, Any], num_blocks: int, block_size: int, mla: bool = False
@@ -155,6 +161,7 @@ class WorkerSide:
             lane_slots=self.opts.lane_slots,
             trusted_decoders=self.opts.trusted,
             shared_secret=self.opts.secret,
+            late_write_hold_s=self.opts.hold_s,
         )
         self._cuda = layout.mem_type == "VRAM"
         transport = NixlTransport(make_agent_name(self.engine_id, self.tp_rank))
@@ -219,14 +226,22 @@ class WorkerSide:
                 trace.mark("d_worker.report", None, rid)
         report = StepReport(
             finished_sending=out.finished_sending,
-            finished_recving=out.finished_recving | out.released | set(out.failed_recving),
+            # A held receive's blocks go back to vLLM when it is released, not now.
+            finished_recving=out.finished_recving
+            | out.released
+            | set(out.failed_recving).difference(out.held),
             failed=out.failed_recving,
             released=out.released,
             renewed=out.renewed,
+            held=set(out.held),
         )
+        # Their blocks go to vLLM as failed loads now (so a request under the "fail" policy
+        # ends at once) and their ids as finished once the hold ends.
+        self._load_errors.update(b for ids in out.held.values() for group in ids for b in group)
         self._meta.failed.update(out.failed_recving)
         self._meta.released |= out.released
         self._meta.renewed |= out.renewed
+        self._meta.held |= set(out.held)
         return report
 
     def _trace_step(self, event: str) -> None:
@@ -242,9 +257,16 @@ class WorkerSide:
         elif now - self._idle_since >= IDLE_SPIN_S:
             time.sleep(IDLE_SLEEP_S)
 
+    def take_load_errors(self) -> set[int]:
+        """Blocks of held receives reported since the last call (vLLM's invalid blocks)."""
+        if not self._load_errors:
+            return set()
+        out, self._load_errors = self._load_errors, set()
+        return out
+
     def take_meta(self) -> StepReport | None:
         meta = self._meta
-        if not (meta.failed or meta.released or meta.renewed):
+        if not (meta.failed or meta.released or meta.renewed or meta.held):
             return None
         self._meta = StepReport()
         return meta

@@ -163,7 +163,8 @@ class SimEngine:
             nbytes = len(blocks) * self.mem.bytes_per_block
             self.events.append(("recv", rid, {"t": now, "bytes": nbytes, "bad_regions": bad}))
         for rid, reason in out.failed_recving.items():
-            self._release(self.d_reqs.pop(rid)[0])
+            if rid not in out.held:  # held: its blocks come back in ``released``
+                self._release(self.d_reqs.pop(rid)[0])
             self.events.append(("failed", rid, {"t": now, "reason": reason}))
         for rid in out.released:
             self._release(self.d_reqs.pop(rid)[0])

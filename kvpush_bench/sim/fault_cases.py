@@ -25,7 +25,7 @@ def case(
 
     ``victim``: who dies ("P", "D" or ""); ``expect``: D's outcome (completed, failed,
     released, "D died"; "|" separates accepted ones); ``write``: P's WRITE (done, none,
-    failed, any); ``bound``: blocks back to zero by then (now, lease, watchdog, sums);
+    failed, any); ``bound``: blocks back to zero by then (now, lease, watchdog, hold, sums);
     ``fresh``: the side ("P" or "D") that starts as a new process, never reached before.
     """
 
@@ -144,7 +144,7 @@ def reorder_reg_behind_hb(m: Matrix, c: Ids) -> float:
     return _arm_and_push(m, c, "P", rule)
 
 
-@case("completion", "", "failed", "done", "watchdog")
+@case("completion", "", "failed", "done", "watchdog+hold")
 def drop_completion(m: Matrix, c: Ids) -> float:
     """Drop the completion at D."""
     return _arm_and_push(m, c, "D", Rule("recv", "drop", "COMPLETION", c.marker))
@@ -162,7 +162,7 @@ def delay_completion(m: Matrix, c: Ids) -> float:
     return _arm_and_push(m, c, "D", Rule("recv", "delay", "COMPLETION", c.marker, delay_s=0.5))
 
 
-@case("completion", "", "failed", "done", "watchdog")
+@case("completion", "", "failed", "done", "watchdog+hold")
 def delay_completion_late(m: Matrix, c: Ids) -> float:
     """Delay the completion 1.5 s past D's watchdog."""
     delay = m.opts.watchdog_s + 1.5
@@ -195,7 +195,7 @@ def handshake_fail_on_d(m: Matrix, c: Ids) -> float:
     return t
 
 
-@case("handshake", "", "failed", "none", "watchdog", fresh="D")
+@case("handshake", "", "failed", "none", "watchdog+hold", fresh="D")
 def handshake_fail_on_p(m: Matrix, c: Ids) -> float:
     """P's handshake with a new D fails."""
     m.arm(m.p, [Rule("handshake", "fail", match=f":{m.d.spec.port}")])

@@ -26,6 +26,8 @@ NOTE_STATS = (
     "reg_after_cancel",
     "reg_invalid",
     "completion_unknown",
+    "recv_held",
+    "completion_held",
     "fail_unknown",
     "handshake_failed",
     "write_failed",
@@ -46,6 +48,9 @@ class MatrixOptions:
     heartbeat_s: float = 0.25
     handshake_timeout_s: float = 1.0
     registration_ttl_s: float = 4.0
+    # D keeps the blocks of a receive its watchdog failed while P could still write
+    # (kvpush/core/late_writes.py): short here, so the cases' bounds stay short.
+    late_write_hold_s: float = 1.0
     slack_s: float = 2.0  # added to every bound: heartbeat period, steps, 2 shared cores
     blocks: int = 4  # blocks per request
     log_level: str = "ERROR"
@@ -117,6 +122,7 @@ class Matrix:
                 "heartbeat_interval_s": o.heartbeat_s,
                 "handshake_timeout_s": o.handshake_timeout_s,
                 "registration_ttl_s": o.registration_ttl_s,
+                "late_write_hold_s": o.late_write_hold_s,
             },
         )
         proc = EngineProcess(spec, o.log_level)
@@ -239,7 +245,12 @@ class Matrix:
 
     def bound_s(self, bound: str) -> float:
         o = self.opts
-        parts = {"now": 0.0, "lease": o.lease_s, "watchdog": o.watchdog_s}
+        parts = {
+            "now": 0.0,
+            "lease": o.lease_s,
+            "watchdog": o.watchdog_s,
+            "hold": o.late_write_hold_s,
+        }
         return sum(parts[b] for b in bound.split("+")) + o.slack_s
 
     def run(self, case: Case) -> dict[str, Any]:

@@ -20,6 +20,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--list", action="store_true", help="list the cases and exit")
     p.add_argument("--lease", type=float, default=1.5, help="P's lease in seconds")
     p.add_argument("--watchdog", type=float, default=1.5, help="D's watchdog in seconds")
+    p.add_argument("--hold", type=float, default=1.0, help="D's late_write_hold_s in seconds")
     p.add_argument("--slack", type=float, default=2.0, help="seconds added to every bound")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--doc", type=Path, default=None, help="page to write (docs/reliability.md)")
@@ -40,6 +41,7 @@ def _run(args: argparse.Namespace) -> int:
     opts = MatrixOptions(
         lease_s=args.lease,
         watchdog_s=args.watchdog,
+        late_write_hold_s=args.hold,
         slack_s=args.slack,
         log_level=getattr(args, "log_level", "ERROR").upper(),
     )

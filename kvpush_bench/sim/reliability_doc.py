@@ -78,7 +78,8 @@ def _faults(entry: dict[str, Any] | None) -> list[str]:
         "One P and one D process with real NIXL agents (UCX). Each case injects one fault into",
         "one request, or SIGKILLs P or D at a protocol point, and checks: D's outcome is the",
         "expected one; every surviving side holds no blocks within the bound (lease "
-        f"{o['lease_s']} s, watchdog {o['watchdog_s']} s, plus {o['slack_s']} s slack); no",
+        f"{o['lease_s']} s, watchdog {o['watchdog_s']} s, D's late-write hold "
+        f"{o.get('late_write_hold_s', 0)} s, plus {o['slack_s']} s slack); no",
         "writer error; and the survivor serves: a replacement is started for a dead peer and",
         "two more requests are pushed and verified byte for byte. *Freed* is the time from",
         "the fault until each side held no blocks (the case's own blocks included).",
@@ -243,7 +244,12 @@ CROSS_HOST = [
     "requests after the link came back). NIXL's disconnect does not stop them: in a raw NIXL "
     "check over the same link, with both agents removed, the healed link still delivered 40 KB "
     "into D's buffer. With `tcp_retries2=3` the kernel aborts the connection within about 3 s of "
-    "silence and nothing arrived late. Hence the limit below.",
+    'silence and nothing arrived late. Hence D\'s hold on such blocks (README, "Partitions"):',
+    "`tests/e2e/test_partition_hold.py` cuts the link as above with the kernel's default",
+    "`tcp_retries2` (15) and a 30 s `late_write_hold_s`: the clients get 502 within the",
+    "watchdog, P frees within its lease, D holds the three requests' blocks, requests after",
+    "the link is back are identical, and D frees the blocks once the hold ends (34 s after",
+    "the cut in its first run).",
     "",
 ]
 
@@ -251,17 +257,15 @@ CROSS_HOST = [
 LIMITS = [
     "## Known limits",
     "",
-    "- **Watchdog expiry frees D's blocks without P's confirmation.** If P is alive but its",
-    "  heartbeats are lost, D's watchdog fails the receive and frees the blocks at once; a",
-    "  WRITE that P starts before D's `PUSH_CANCEL` reaches it can land in those freed blocks.",
-    "  The matrix's `drop_heartbeats` case orders the prefill after the cancel arrived; the",
-    "  race itself is by design (a dead P must not pin D's blocks).",
-    "- **A partition that heals after D's watchdog can deliver a late WRITE.** Bytes",
-    "  already on the TCP connection reach D's memory when the link comes back, also after",
-    "  both sides removed each other's NIXL agents; D may have freed those blocks. Keep",
-    "  `watchdog_s` above the network stack's give-up time for a silent connection",
-    "  (`net.ipv4.tcp_retries2`); holding the blocks until the old connection is gone is",
-    "  open work.",
+    "- **A late WRITE is held off for a bounded time.** A receive that expires while a P",
+    "  rank may still be writing (its cancel went out, no answer came: lost heartbeats, a",
+    "  partition, a frozen P) fails at once, but D keeps its blocks for `late_write_hold_s`",
+    "  (default: the kernel's give-up time for a silent TCP connection, from",
+    "  `net.ipv4.tcp_retries2`; about 924.6 s for the default 15). Bytes that arrive later",
+    "  than that (a hold set below the network's give-up time, or a P frozen for longer)",
+    "  can still land in reused blocks. A source D can no longer reach at all counts as",
+    "  unable to write, so a dead P costs no hold; if P and D hosts disagree on",
+    "  `tcp_retries2`, D's side decides.",
     "- **A failed handshake fails every push waiting on it.** In the soak, `peer_reset` makes P",
     "  forget D and fail its next handshake; requests deferred behind it fail on D's",
     "  watchdog. That is why the unfaulted completion rate can be below 1.",

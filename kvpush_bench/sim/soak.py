@@ -73,6 +73,7 @@ class SoakOptions:
     heartbeat_s: float = 0.25
     handshake_timeout_s: float = 1.0
     registration_ttl_s: float = 5.0
+    late_write_hold_s: float = 1.0  # D's hold on silently expired receives' blocks
     request_timeout_s: float = 20.0  # no outcome by then: hung
     faults: list[str] = field(default_factory=lambda: sorted(FAULTS))  # the menu to draw from
     log_level: str = "ERROR"
@@ -119,6 +120,7 @@ def _spec(name: str, o: SoakOptions) -> SimSpec:
             "heartbeat_interval_s": o.heartbeat_s,
             "handshake_timeout_s": o.handshake_timeout_s,
             "registration_ttl_s": o.registration_ttl_s,
+            "late_write_hold_s": o.late_write_hold_s,
         },
     )
 

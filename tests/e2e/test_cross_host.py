@@ -76,7 +76,9 @@ class Env:
     reference: dict[str, Reply]
 
 
-def server(name: str, model: str, role: str, hosts: HostPair, work: str, core: int) -> VllmServer:
+def server(
+    name: str, model: str, role: str, hosts: HostPair, work: str, core: int, **extra: Any
+) -> VllmServer:
     host = hosts.p if role == "kv_producer" else hosts.d
     config = kvpush_config(
         role,
@@ -87,6 +89,7 @@ def server(name: str, model: str, role: str, hosts: HostPair, work: str, core: i
         watchdog_s=WATCHDOG,
         handshake_timeout_s=3.0,
         heartbeat_interval_s=0.5,
+        **extra,
     )
     spec = ServerSpec(
         name, model, kv_config=config, core=core, env=hosts.env(), log_dir=work,
@@ -104,9 +107,10 @@ def side_port(server: VllmServer) -> int:
 def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
     work = str(tmp_path_factory.mktemp("cross_host"))
     model = make_tiny_model(work + "/model")
-    # A WRITE cut by the link can land once it heals, in blocks D freed at its watchdog
-    # (NIXL cannot stop bytes already on a TCP connection): the kernel must give the
-    # connection up first. tcp_retries2=3: about 3 s of unanswered retransmits, < WATCHDOG.
+    # tcp_retries2=3: the kernel gives a cut connection up after about 3 s, < WATCHDOG, so
+    # nothing sent before a cut can land later and D's cancel fails at once: D frees its
+    # blocks at its watchdog. test_partition_hold.py cuts with the kernel's default (15),
+    # where D keeps them for late_write_hold_s.
     with HostPair(tcp_retries2=3) as hosts:
         p = server("prefill", model, "kv_producer", hosts, work, 0)
         d = server("decode", model, "kv_consumer", hosts, work, 1)
@@ -173,9 +177,10 @@ def test_slow_link_burst(env: Env) -> None:
     nothing_held(env, LEASE + 5)
 
 
-def test_link_cut_mid_transfer_and_restored(env: Env) -> None:
-    assert SINGLE[1].send(env.router.url, env.model).ok  # connections up before the cut
-    p_failures = metric(env.p.url, FAILURES)
+def cut_mid_push(env: Env) -> tuple[list[Reply], float]:
+    """Send IN_FLIGHT through the router over a slow link and take the link down while
+    their WRITEs are on it; returns the replies and when the link went down (the link
+    stays down, its rate limit is lifted)."""
     # A slow link keeps the WRITEs in flight (512 KiB per request at 2 Mbit/s: ~2 s each).
     env.hosts.limit("2mbit", burst="8kb")
     wire = env.hosts.p.link_counter()
@@ -192,8 +197,15 @@ def test_link_cut_mid_transfer_and_restored(env: Env) -> None:
         env.hosts.link_down()
         cut = time.monotonic()
         replies = [f.result() for f in futures]
-    failed_within = time.monotonic() - cut
     env.hosts.unlimit()
+    return replies, cut
+
+
+def test_link_cut_mid_transfer_and_restored(env: Env) -> None:
+    assert SINGLE[1].send(env.router.url, env.model).ok  # connections up before the cut
+    p_failures = metric(env.p.url, FAILURES)
+    replies, cut = cut_mid_push(env)
+    failed_within = time.monotonic() - cut
     try:
         # D's watchdog fails them: the router answers 502 with D's error, within the watchdog.
         assert all(r.status == 502 and "decode leg" in r.error for r in replies), [

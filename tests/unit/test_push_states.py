@@ -22,7 +22,8 @@ from kvpush_bench.sim.engine import SimEngine, SimSpec
 from kvpush_bench.sim.ranks import RankShape
 from tests.conftest import free_port, wait_until
 
-FAST = {"handshake_timeout_s": 0.5, "heartbeat_interval_s": 0.05}
+# late_write_hold_s: D keeps a silently expired receive's blocks this long (late_writes.py)
+FAST = {"handshake_timeout_s": 0.5, "heartbeat_interval_s": 0.05, "late_write_hold_s": 0.3}
 
 
 class Pair:
@@ -470,7 +471,7 @@ def test_received_bytes_count_each_group_once() -> None:
 
     from kvpush.core.consumer import Consumer, RecvTransfer
     from kvpush.core.layout import KVLayout, Region
-    from kvpush.core.types import RecvRegistration
+    from kvpush.core.types import RecvRegistration, WorkerConfig
 
     regions = [
         Region("k0", 0, 64, 100, group=0),
@@ -478,7 +479,7 @@ def test_received_bytes_count_each_group_once() -> None:
         Region("v0", 2 << 20, 16, 100, group=0),
     ]
     layout = KVLayout(regions, 16, physical_per_logical=2)
-    c = Consumer(SimpleNamespace(layout=layout))  # type: ignore[arg-type]
+    c = Consumer(SimpleNamespace(layout=layout, config=WorkerConfig("D")))  # type: ignore[arg-type]
     for ids, want in (([[1, 2, 3], [4]], 2 * (3 * 64 + 32 + 3 * 16)), ([[], [5, 6]], 2 * 2 * 32)):
         t = RecvTransfer(RecvRegistration("r", ids, "P", "h", 1))
         assert c._nbytes(t) == want

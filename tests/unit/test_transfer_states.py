@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -133,12 +134,14 @@ class StubWorker:
         from kvpush.core.types import WorkerConfig
 
         self.stats: Counter[str] = Counter()
-        self.config = WorkerConfig(engine_id="D")
+        # No late-write hold unless a test asks (tests/unit/test_late_writes.py).
+        self.config = WorkerConfig(engine_id="D", late_write_hold_s=0.0)
         self.layout = KVLayout([Region("r", 4096, 64, 16)], 16)
         self.lane = None
         self.peers = self
         self.sent: list[tuple[str, Any]] = []
         self.events: list[tuple[str, str]] = []
+        self.blocks: dict[str, Any] = {}  # the blocks an event came with (a hold's)
 
     def ensure(self, host: str, port: int, then: Any) -> Any:
         return SimpleNamespace(agent=f"P{port}", info=SimpleNamespace(peer_copy=None))
@@ -153,18 +156,21 @@ class StubWorker:
         self.sent.append((agent, msg))
         return True
 
-    def emit(self, kind: str, rid: str, reason: str = "") -> None:
+    def emit(self, kind: str, rid: str, reason: str = "", blocks: Any = None) -> None:
         self.events.append((kind, rid))
+        self.blocks[rid] = blocks
 
     def observe(self, name: str, seconds: float) -> None:
         pass
 
 
-def stepped_d(p_ranks: int = 2) -> tuple[Any, StubWorker, RecvTransfer]:
-    """A Consumer with one receive AWAITING the WRITEs of ``p_ranks`` P ranks (P0, P1...)."""
+def stepped_d(p_ranks: int = 2, hold_s: float = 0.0) -> tuple[Any, StubWorker, RecvTransfer]:
+    """A Consumer with one receive AWAITING the WRITEs of ``p_ranks`` P ranks (P0, P1...);
+    ``hold_s``: its late_write_hold_s."""
     from kvpush.core.consumer import Consumer
 
     w = StubWorker()
+    w.config = replace(w.config, late_write_hold_s=hold_s)
     c = Consumer(w)  # type: ignore[arg-type]
     reg = RecvRegistration("d1", [[1, 2]], "P", "h", 0, remote_tp_size=p_ranks)
     c.on_item(("reg", reg, None))
