@@ -233,8 +233,8 @@ CROSS_HOST = [
     " 6 s; P and D hold no blocks within lease + 6 s *with the link still down*; P counts 3"
     " push failures; after link up 3 new requests identical, nothing held | yes: 502 after"
     " 0.6-4.4 s, both sides free by then (8 cuts in a row on one pair of servers, every"
-    " later request identical; one late completion at D, see the known limit on watchdog"
-    " expiry: a PUSH_REG held up by the cut reached P after D's watchdog) |",
+    " later request identical; one late completion at D: a PUSH_REG held up by the cut"
+    " reached P after D's watchdog, in a run before D held such blocks) |",
     "",
     "What the cut showed on the way there: (1) P held the blocks of its stuck WRITEs for the "
     "whole outage (45 s) and beyond; now at lease expiry P disconnects a D silent for 2 s or more"

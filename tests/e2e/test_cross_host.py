@@ -218,10 +218,8 @@ def test_link_cut_mid_transfer_and_restored(env: Env) -> None:
         assert metric(env.p.url, FAILURES) - p_failures == len(IN_FLIGHT)
     finally:
         env.hosts.link_up()
-    # Back: new requests succeed, token-identical, without restarting anything. (A late
-    # completion at D is possible: a PUSH_REG held up by the cut reaches P after D's
-    # watchdog, docs/reliability.md's known limit; with tcp_retries2=3 no bytes from
-    # before the cut arrive late.)
+    # Back: new requests succeed, token-identical, without restarting anything. (With
+    # tcp_retries2=3 no bytes from before the cut arrive late.)
     for case in AFTER:
         reply = case.send(env.router.url, env.model)
         assert same(reply, env.reference[case.name]), (case.name, reply.status, reply.error)
