@@ -47,7 +47,8 @@ class Consumer:
         self._block_bytes: list[int] | None = None  # bytes of one logical block, per group
         hold = shared.config.late_write_hold_s
         self.hold_s = kernel_hold_s() if hold is None else hold
-        self.holds: dict[str, float] = {}  # failed receives whose blocks we keep: id -> until
+        # Failed receives whose blocks we keep: id -> (until, sources that may still write).
+        self.holds: dict[str, tuple[float, set[str]]] = {}
 
     def outstanding(self) -> int:
         return len(self.recvs)
@@ -222,7 +223,8 @@ class Consumer:
                 # still land once the link heals: fail now, keep the blocks (late_writes).
                 why = f"{reason} (blocks held {self.hold_s:g} s)"
                 self._end(t, State.EXPIRED, "held", why, t.reg.block_ids)
-                self.holds[t.rid] = time.monotonic() + self.hold_s
+                writers = set(t.sources) - t.done_from
+                self.holds[t.rid] = (time.monotonic() + self.hold_s, writers)
                 self.s.stats["recv_held"] += 1
                 return
             self._end(t, State.EXPIRED, "released" if t.aborted else "failed", reason)
@@ -326,9 +328,8 @@ class Consumer:
                 self.s.emit("renewed", t.rid)
 
     def on_timer(self, now: float) -> None:
-        for rid in [rid for rid, until in self.holds.items() if until <= now]:
-            del self.holds[rid]
-            self.s.emit("released", rid)  # no WRITE of it can land any more
+        if self.holds:
+            self._end_holds(now)
         held: dict[str, list[wire.HbEntry]] = defaultdict(list)
         for t in self.recvs.values():
             if t.state is State.AWAITING:
@@ -336,6 +337,21 @@ class Consumer:
                     held[agent].append(wire.HbEntry(t.rid, t.reg.transfer_id))
         for agent, entries in held.items():
             self.s.notify(agent, wire.Heartbeat(entries=entries))
+
+    def _end_holds(self, now: float) -> None:
+        """Release the holds whose time is up or whose writers' connections all failed
+        (a dead P: nothing more can arrive from it). A writer still connected is probed
+        with an empty heartbeat, which fails once its connection did."""
+        peers, probed = self.s.peers, set[str]()
+        for rid, (until, writers) in list(self.holds.items()):
+            for agent in writers - probed:
+                probed.add(agent)
+                if agent in peers.by_agent:  # a failed send marks it failed (worker.notify)
+                    self.s.notify(agent, wire.Heartbeat(entries=[]))
+            writers.difference_update(a for a in list(writers) if a in peers.failed)
+            if until <= now or not writers:
+                del self.holds[rid]
+                self.s.emit("released", rid)  # no WRITE of it can land any more
 
     def _nbytes(self, t: RecvTransfer) -> int:
         per = self._block_bytes

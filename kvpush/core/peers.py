@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -26,6 +26,7 @@ from kvpush.core.types import WorkerConfig
 log = logging.getLogger(__name__)
 
 PeerKey = tuple[str, int]
+FAILED_KEPT = 1024  # failed agents remembered (PeerTable.failed)
 
 
 @dataclass
@@ -70,6 +71,9 @@ class PeerTable:
         self.by_key: dict[PeerKey, Peer] = {}
         self.by_agent: dict[str, Peer] = {}
         self.heard: dict[str, float] = {}  # agent -> when we last received anything from it
+        # Known peers whose connection failed (a transport error), the latest FAILED_KEPT:
+        # nothing more can arrive from them (consumer.py ends its holds on them).
+        self.failed: OrderedDict[str, None] = OrderedDict()
         # With a secret: the agents that proved it to us, either way.
         self.authenticated = AgentSet()
         self.handshakes: dict[PeerKey, Future[AgentInfo]] = {}
@@ -127,6 +131,7 @@ class PeerTable:
             self.by_key[key] = old
             return old
         self.transport.add_peer(info.agent_name, info.nixl_metadata)
+        self.failed.pop(info.agent_name, None)  # connected again
         peer = Peer(key, info)
         self.by_key[key] = peer
         self.by_agent[info.agent_name] = peer
@@ -164,11 +169,16 @@ class PeerTable:
             pair_regions(peer.info.layout, self.layout)
             peer.writes_to_us = True
 
-    def forget(self, agent: str) -> None:
-        """Drop a peer that died; the next operation towards it handshakes afresh."""
+    def forget(self, agent: str, failed: bool = False) -> None:
+        """Drop a peer that died (``failed``: its connection failed) or fell silent; the
+        next operation towards it handshakes afresh."""
         peer = self.by_agent.pop(agent, None)
         if peer is None:
-            return
+            return  # (a failure towards an unknown agent says nothing of its connection)
+        if failed:
+            self.failed[agent] = None
+            while len(self.failed) > FAILED_KEPT:
+                self.failed.popitem(last=False)
         for key in [k for k, p in self.by_key.items() if p is peer]:
             del self.by_key[key]
         if self.peer_copy is not None:

@@ -276,7 +276,7 @@ class PushWorker:
             self.stats["notify_failed"] += 1
             log.warning("notification %s to %s failed: %s", type(msg).__name__, agent, e)
             if isinstance(e, TransportError):
-                self.peers.forget(agent)
+                self.peers.forget(agent, failed=True)
             return False
 
     def drain(self, inbox: queue.SimpleQueue[Any], handler: Callable[[Any], None]) -> int:

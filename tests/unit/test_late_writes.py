@@ -118,3 +118,47 @@ def test_worker_side_reports_a_hold_as_failed_blocks_then_finished() -> None:
     assert meta is not None and meta.held == {"r1"}
     results.append(WorkerOutput(released={"r1"}))
     assert side.collect().finished_recving == {"r1"} and side.take_load_errors() == set()
+
+
+def test_a_hold_ends_early_once_every_writers_connection_failed() -> None:
+    """A dead P cannot write any more: D probes the writers of a hold with an empty
+    heartbeat each timer (a failed send marks the peer failed) and releases the hold
+    when none is left."""
+    from kvpush.core.wire import Heartbeat
+
+    c, w, t = stepped_d(2, hold_s=60.0)
+    c.on_item(("cancel", "d1", True))  # both cancels went out: both may still write
+    assert w.events == [("held", "d1")]
+    now = time.monotonic()
+    w.by_agent = {"P0": object(), "P1": object()}
+    c.on_timer(now)
+    probes = [a for a, m in w.sent if isinstance(m, Heartbeat) and not m.entries]
+    assert sorted(probes) == ["P0", "P1"] and len(w.events) == 1
+    w.failed["P0"] = None
+    c.on_timer(now)
+    assert len(w.events) == 1  # P1 may still write
+    w.failed["P1"] = None
+    c.on_timer(now)
+    assert w.events[-1] == ("released", "d1") and not c.holds
+
+
+def test_peer_table_remembers_failed_connections_of_known_peers() -> None:
+    from tests.unit.test_push_states import Pair, recv_ok
+
+    pair = Pair()
+    try:
+        pair.p.prefill("p0", "t0", 1)
+        pair.register("d0", "t0", 1)
+        pair.until(lambda: recv_ok(pair, "d0"), what="a push (D knows P)")
+        peers = pair.d.worker.peers
+        (agent,) = peers.by_agent
+        peers.forget("never-connected", failed=True)
+        assert not peers.failed  # says nothing of a connection it never had
+        peers.forget(agent, failed=True)
+        assert agent in peers.failed
+        pair.p.prefill("p1", "t1", 1)
+        pair.register("d1", "t1", 1)
+        pair.until(lambda: recv_ok(pair, "d1"), what="a push after a fresh handshake")
+        assert agent in peers.by_agent and agent not in peers.failed  # connected again
+    finally:
+        pair.close()

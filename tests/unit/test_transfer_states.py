@@ -139,6 +139,8 @@ class StubWorker:
         self.layout = KVLayout([Region("r", 4096, 64, 16)], 16)
         self.lane = None
         self.peers = self
+        self.by_agent: dict[str, Any] = {}  # (P ranks a hold would probe: none)
+        self.failed: dict[str, None] = {}  # P ranks whose connection failed
         self.sent: list[tuple[str, Any]] = []
         self.events: list[tuple[str, str]] = []
         self.blocks: dict[str, Any] = {}  # the blocks an event came with (a hold's)
