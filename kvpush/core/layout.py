@@ -119,9 +119,11 @@ def as_ids(ids: Sequence[int] | np.ndarray) -> np.ndarray:
     return np.frombuffer(packed_ids(ids), dtype=np.int64)
 
 
-def id_range(ids: np.ndarray | array.array[int]) -> tuple[int, int]:
+def id_range(ids: np.ndarray | array.array[int] | list[int]) -> tuple[int, int]:
     """(lowest, highest) of non-empty ids: builtins on short lists (a numpy reduction
     costs microseconds, more on the cold caches at the end of a prefill), numpy on long."""
+    if isinstance(ids, list):
+        return min(ids), max(ids)
     if len(ids) <= SHORT_IDS:
         vals = ids.tolist()
         return min(vals), max(vals)
@@ -156,7 +158,7 @@ def validate_block_ids(
         if not len(ids):
             most.append(-1)
             continue
-        arr = as_ids(ids)
+        arr = _checkable(ids)
         limit = limits[g]
         lo, hi = id_range(arr)
         if hi >= limit or lo < 0:
@@ -167,8 +169,18 @@ def validate_block_ids(
     return most
 
 
-def _has_duplicates(arr: np.ndarray, limit: int) -> bool:
+def _checkable(ids: Sequence[int] | np.ndarray) -> list[int] | np.ndarray:
+    """Short: a list of ints, checked with builtins (packing checks a list holds ints);
+    long: one int64 array, checked with numpy."""
+    if len(ids) > SHORT_IDS:
+        return as_ids(ids)
+    return as_ids(ids).tolist() if isinstance(ids, np.ndarray) else packed_ids(ids).tolist()
+
+
+def _has_duplicates(arr: list[int] | np.ndarray, limit: int) -> bool:
     """Ids already known to lie in [0, limit)."""
+    if isinstance(arr, list):
+        return len(set(arr)) != len(arr)
     if limit <= 64 * arr.size:  # a mark per possible id: cheaper than a sort
         seen = np.zeros(limit, dtype=np.bool_)
         seen[arr] = True

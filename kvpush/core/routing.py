@@ -193,6 +193,20 @@ def build_pair_descs(
     dst_arrays = [as_ids(g) for g in dst_groups]
     validate_block_ids(p, src_arrays)
     validate_block_ids(d, dst_arrays, unique_known=dst_unique)
+    if _uniform(p, d, pairs):
+        group = p.regions[pairs[0].src].group, d.regions[pairs[0].dst].group
+        return _uniform_descs(p, d, pairs, src_arrays[group[0]], dst_arrays[group[1]])
+    return _per_pair_descs(p, d, pairs, src_arrays, dst_arrays)
+
+
+def _per_pair_descs(
+    p: KVLayout,
+    d: KVLayout,
+    pairs: Sequence[RegionPair],
+    src_arrays: Sequence[np.ndarray],
+    dst_arrays: Sequence[np.ndarray],
+) -> tuple[np.ndarray, np.ndarray]:
+    """``build_pair_descs`` for any pairs, one region pair at a time."""
     pieces: list[tuple[np.ndarray, np.ndarray, np.ndarray, int, int]] = []
     for pair in pairs:
         lr, rr = p.regions[pair.src], d.regions[pair.dst]
@@ -223,6 +237,56 @@ def build_pair_descs(
             sa, da, ln = _segment_pieces(p, d, lr, rr, pair.segments, s_ids, d_ids)
         pieces.append((sa, da, ln, lr.device_id, rr.device_id))
     return _rows(pieces)
+
+
+def _uniform(p: KVLayout, d: KVLayout, pairs: Sequence[RegionPair]) -> bool:
+    """Every pair moves whole physical blocks of one size on both sides, from one id group
+    into one id group: then all regions' descriptors come from one set of array operations."""
+    if p.physical_per_logical != d.physical_per_logical or not pairs:
+        return False
+    groups = {(p.regions[x.src].group, d.regions[x.dst].group) for x in pairs}
+    return len(groups) == 1 and all(
+        x.whole and p.regions[x.src].block_len == d.regions[x.dst].block_len for x in pairs
+    )
+
+
+def _uniform_descs(
+    p: KVLayout, d: KVLayout, pairs: Sequence[RegionPair], s_ids: np.ndarray, d_ids: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """``build_pair_descs`` for ``_uniform`` pairs, rows in pair order. Two pieces of a
+    region are contiguous on both sides exactly when their physical ids are consecutive on
+    both sides, the same in every region: the runs are found once on the ids, then every
+    region's rows come from them at once (a per-region loop costs a dozen numpy calls per
+    layer, which a many-layer model would pay at every push)."""
+    if len(s_ids) != len(d_ids):
+        name = p.regions[pairs[0].src].name
+        raise LayoutError(f"region {name}: {len(s_ids)} source blocks, {len(d_ids)} destination")
+    ps, pd = expand(s_ids, p.physical_per_logical), expand(d_ids, d.physical_per_logical)
+    if not ps.size:
+        return _rows([])
+    cont = (np.diff(ps) == 1) & (np.diff(pd) == 1)  # piece i+1 continues piece i
+    if cont.any():
+        first = np.flatnonzero(np.concatenate(([True], ~cont)))
+        s0, d0 = ps[first], pd[first]
+        count = np.diff(np.append(first, ps.size))
+    else:  # scattered: every piece is a run of one
+        s0, d0, count = ps, pd, np.ones(ps.size, dtype=np.int64)
+    col = np.array(
+        [
+            (lr.base_addr, rr.base_addr, lr.block_len, lr.device_id, rr.device_id)
+            for lr, rr in ((p.regions[x.src], d.regions[x.dst]) for x in pairs)
+        ],
+        dtype=np.int64,
+    )
+    length = col[:, 2:3]
+    n = len(pairs) * s0.size
+    src, dst = np.empty((n, 3), dtype=np.int64), np.empty((n, 3), dtype=np.int64)
+    src[:, 0] = (col[:, 0:1] + s0 * length).ravel()
+    dst[:, 0] = (col[:, 1:2] + d0 * length).ravel()
+    src[:, 1] = dst[:, 1] = (count * length).ravel()
+    src[:, 2] = np.repeat(col[:, 3], s0.size)
+    dst[:, 2] = np.repeat(col[:, 4], s0.size)
+    return src, dst
 
 
 PIECE_COLUMNS = (

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -16,7 +17,14 @@ from kvpush.core.layout import (
     expand,
     validate_block_ids,
 )
-from kvpush.core.routing import block_pieces, build_pair_descs, pair_regions
+from kvpush.core.routing import (
+    _per_pair_descs,
+    _uniform,
+    _uniform_descs,
+    block_pieces,
+    build_pair_descs,
+    pair_regions,
+)
 
 
 def write_descs(
@@ -74,6 +82,7 @@ def test_ratio_difference_pairs_bytes() -> None:
         ([[-1]], "outside"),
         ([[1, 1]], "duplicate"),
         ([[1], [2]], "groups"),
+        ([[1.5]], "integers"),
     ],
 )
 def test_validation(ids: list[list[int]], why: str) -> None:
@@ -140,3 +149,30 @@ def test_every_source_byte_lands_on_its_destination(data: st.DataObject) -> None
             da = d.regions[r].base_addr + t * blen_logical
             assert (mem_d[da : da + blen_logical] == np.arange(sa, sa + blen_logical)).all()
     assert (mem_d >= 0).sum() == 2 * n * blen_logical  # nothing else touched
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.data())
+def test_one_pass_descriptors_equal_the_per_region_ones(data: st.DataObject) -> None:
+    """Whole blocks of one size on both sides (most models): every region's descriptors in
+    one set of array operations, the same rows in the same order as region by region."""
+    nb = data.draw(st.integers(2, 40))
+    ratio = data.draw(st.sampled_from([1, 2]))
+    regions = data.draw(st.integers(1, 5))
+    p = layout(0, nb, 64, ratio, regions)
+    d = layout(1 << 30, nb, 64, ratio, regions)
+    moved = [msgspec.structs.replace(r, device_id=i % 2) for i, r in enumerate(p.regions)]
+    p = msgspec.structs.replace(p, regions=moved)
+    pairs = pair_regions(p, d)
+    assert _uniform(p, d, pairs)
+    n = data.draw(st.integers(0, nb))
+    runs = data.draw(st.booleans())  # sorted ids: long runs to merge; else scattered
+    src = data.draw(st.permutations(range(nb)))[:n]
+    dst = data.draw(st.permutations(range(nb)))[:n]
+    if runs:
+        src, dst = sorted(src), sorted(dst)
+    s_ids, d_ids = as_ids(src), as_ids(dst)
+    one = _uniform_descs(p, d, pairs, s_ids, d_ids)
+    per = _per_pair_descs(p, d, pairs, [s_ids], [d_ids])
+    assert np.array_equal(one[0], per[0]) and np.array_equal(one[1], per[1])
+    assert one[0].shape[1] == 3 and one[0].dtype == np.int64
