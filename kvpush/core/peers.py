@@ -16,9 +16,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvpush.core.copy_route import CopyRoute
 from kvpush.core.handshake import AgentInfo, AgentSet
 from kvpush.core.layout import KVLayout, group_limits
 from kvpush.core.peer_copy import PeerCopyHook
+from kvpush.core.route import Route, WriteRoute
 from kvpush.core.routing import RegionPair, block_pieces, pair_regions
 from kvpush.core.transport import Transport
 from kvpush.core.types import WorkerConfig
@@ -33,10 +35,10 @@ FAILED_KEPT = 1024  # failed agents remembered (PeerTable.failed)
 class Peer:
     key: PeerKey
     info: AgentInfo
+    route: Route  # how our bytes reach it (core/route.py)
     pairs: list[RegionPair] | None = None  # our regions into the peer's, once computed
     pieces: np.ndarray | None = None  # the same as block_pieces rows, once computed
     limits: list[int] | None = None  # logical blocks per group of its layout, once computed
-    copy_declined: bool = False  # the peer-copy hook cannot reach this peer: WRITE only
     writes_to_us: bool = False  # its layout was checked to write into ours
 
     @property
@@ -77,6 +79,8 @@ class PeerTable:
         # With a secret: the agents that proved it to us, either way.
         self.authenticated = AgentSet()
         self.handshakes: dict[PeerKey, Future[AgentInfo]] = {}
+        self.write = WriteRoute(self)
+        self.copy = CopyRoute(peer_copy, self, self.write) if peer_copy is not None else None
         self._executor = ThreadPoolExecutor(config.handshake_workers, "kvpush-handshake")
 
     def close(self) -> None:
@@ -132,7 +136,10 @@ class PeerTable:
             return old
         self.transport.add_peer(info.agent_name, info.nixl_metadata)
         self.failed.pop(info.agent_name, None)  # connected again
-        peer = Peer(key, info)
+        # The route for good, unless the copy is declined (CopyRoute.prepare) or the peer
+        # is forgotten: met again, it is chosen again.
+        copy = self.copy if info.peer_copy is not None else None
+        peer = Peer(key, info, copy or self.write)
         self.by_key[key] = peer
         self.by_agent[info.agent_name] = peer
         self.heard[info.agent_name] = time.monotonic()  # the handshake is a sign of life

@@ -137,7 +137,6 @@ class StubWorker:
         # No late-write hold unless a test asks (tests/unit/test_late_writes.py).
         self.config = WorkerConfig(engine_id="D", late_write_hold_s=0.0)
         self.layout = KVLayout([Region("r", 4096, 64, 16)], 16)
-        self.lane = None
         self.peers = self
         self.by_agent: dict[str, Any] = {}  # (P ranks a hold would probe: none)
         self.failed: dict[str, None] = {}  # P ranks whose connection failed
@@ -227,21 +226,22 @@ def test_stepped_watchdog_expires_an_awaiting_receive() -> None:
 
 
 class StubP:
-    """Just what ``Producer`` asks of its worker: one D (agent "D0", same layout) that is
+    """Just what ``Producer`` asks of its worker (and of the peer table and transport the
+    WRITE route uses): one D (agent "D0", same layout, on the WRITE route) that is
     connected, or whose handshake the test finishes (``connect``); WRITEs the test ends
     (``end_writes``). No thread, no clock."""
 
     def __init__(self, connected: bool = True) -> None:
-        from kvpush.core.layout import KVLayout, Region, group_limits
+        from kvpush.core.layout import KVLayout, Region
         from kvpush.core.types import WorkerConfig
 
         self.stats: Counter[str] = Counter()
         self.config = WorkerConfig(engine_id="P")
         self.layout = KVLayout([Region("r", 4096, 64, 16, layers=["l0"])], 16)
-        self.limits = group_limits(self.layout)
-        self.peer_copy = None
+        from kvpush.core.route import WriteRoute
+
         info = SimpleNamespace(layout=self.layout, peer_copy=None)
-        self.peer = SimpleNamespace(agent="D0", info=info, copy_declined=False)
+        self.peer = SimpleNamespace(agent="D0", info=info, route=WriteRoute(self))  # type: ignore[arg-type]
         self.peers = self  # it plays the peer table too
         self.by_key: dict[tuple[str, int], Any] = {}
         self.by_agent: dict[str, Any] = {}
@@ -312,7 +312,7 @@ def stepped_p(connected: bool = True) -> tuple[Any, StubP, PushTransfer]:
     from kvpush.core.types import StagedBlocks
 
     w = StubP(connected)
-    p = Producer(w, w, w.limits)  # type: ignore[arg-type]
+    p = Producer(w)  # type: ignore[arg-type]
     p.on_finished(StagedBlocks("p1", [[5, 6]], "t1"))
     reg = wire.PushReg(
         request_id="d1",
