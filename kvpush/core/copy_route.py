@@ -81,17 +81,19 @@ class CopyRoute(Route):
             limits, blocks = self.limits, staged.block_ids
             if armed.dst.single and len(blocks) == 1 and len(limits) == 1:
                 one, nbytes = single_src(limits[0], armed.dst, blocks[0])
-                ids = [one]
+                ids, units = [one], len(one)
             else:
                 ids, nbytes = copy_src(limits, armed.dst, source_blocks(pend.dst, blocks))
+                units = sum(map(len, ids))
             signalled = self.hook.launch(armed.handle, ids, staged.after)
         except Exception:  # the full path meets it again and fails the leg with the reason
             return None
         self.stats["copy_early"] += 1
         if trace.ON:
             trace.mark("p_producer.launch", staged.transfer_id, staged.request_id)
-        name = staged.transfer_id or staged.request_id
-        return self._flight(armed, name, reg, ids, nbytes, signalled)
+        # With a lane word D learns of the end from the copy, else from P after it (notice).
+        notice = None if signalled else reg.request_id
+        return Flight(self, armed.handle, armed.agent, units, nbytes, notice)
 
     def post(self, t: PushTransfer, peer: Peer) -> Flight | None:
         assert t.reg is not None
@@ -106,15 +108,8 @@ class CopyRoute(Route):
         except Exception as e:  # could not start, or (waited for) failed
             self.stats["copy_failed"] += 1
             raise TransportError(f"direct copy failed: {e}") from e
-        return self._flight(armed, t.name, t.reg, ids, nbytes, signalled)
-
-    def _flight(
-        self, armed: Armed, name: str, reg: wire.PushReg, ids: list, nbytes: int, signalled: bool
-    ) -> Flight:
-        """With a lane word D learns of the end from the copy itself, otherwise from the
-        completion P sends once it is over (``notice``)."""
-        notice = None if signalled else reg.request_id
-        return Flight(self, armed.handle, armed.agent, name, sum(map(len, ids)), nbytes, notice)
+        notice = None if signalled else t.reg.request_id
+        return Flight(self, armed.handle, armed.agent, sum(map(len, ids)), nbytes, notice)
 
     def poll(self, f: Flight) -> WriteState:
         try:

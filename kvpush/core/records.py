@@ -36,17 +36,17 @@ class Armed:
     handle: object  # the route's (the peer-copy hook's)
 
 
-@dataclass
+@dataclass(slots=True)  # (made on the early launch's path: kept light)
 class Flight:
     """One posted leg (a WRITE, a copy), polled by the route that posted it."""
 
     route: Route
     handle: object  # the route's: a NIXL handle, the hook's prepared copy
     agent: str  # the D agent it goes to
-    name: str  # the leg's
     units: int  # what it moves: descriptors, blocks (counted as ``route.units``)
     nbytes: int
     notice: str | None = None  # D's request id, when P sends the completion after it
+    name: str = ""  # the leg's (set when the leg goes WRITING), for the log
     error: str = ""  # why it failed (``Route.poll`` gave ERROR)
 
 

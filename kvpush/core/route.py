@@ -93,7 +93,7 @@ class WriteRoute(Route):
                 peers.forget(peer.agent)
             raise TransportError(f"WRITE could not be posted: {e}") from e
         nbytes = int(src[:, 1].sum()) if len(src) else 0
-        return Flight(self, handle, peer.agent, t.name, len(src), nbytes)
+        return Flight(self, handle, peer.agent, len(src), nbytes)
 
     def poll(self, f: Flight) -> WriteState:
         try:

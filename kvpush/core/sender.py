@@ -16,12 +16,10 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-import numpy as np
-
 from kvpush.core import wire
 from kvpush.core.errors import LayoutError, TransportError
 from kvpush.core.peers import Peer, PeerTable
-from kvpush.core.records import Armed, Flight, PendingGroup, PushTransfer
+from kvpush.core.records import Flight, PendingGroup, PushTransfer
 from kvpush.core.route import settled
 from kvpush.core.transport import WriteState
 from kvpush.core.types import ENDED, StagedBlocks, State, transition
@@ -55,15 +53,6 @@ class Sender:
 
     def forget(self, t: PushTransfer) -> None:
         self.writing.pop(id(t), None)
-
-    def arm(self, sender: str, reg: wire.PushReg, dst: list[np.ndarray]) -> Armed | None:
-        """Let the route to D prepare the leg while P's blocks are not ready; None when D
-        is not connected yet or its route prepares nothing. The caller checked that this
-        rank feeds that D rank."""
-        peer = self.peers.get(reg.decode_host, reg.decode_port)
-        if peer is None or peer.agent != sender:
-            return None
-        return peer.route.arm(peer, reg, dst)
 
     def launch_armed(self, staged: StagedBlocks, group: PendingGroup) -> Flight | None:
         """Post the leg armed for a request's only registration before any of the
@@ -120,7 +109,7 @@ class Sender:
         self._posted(t, flight)
 
     def _posted(self, t: PushTransfer, f: Flight) -> None:
-        t.flight = f
+        t.flight, f.name = f, t.name
         self.writing[id(t)] = t
         route = f.route
         self.stats[route.posts] += 1

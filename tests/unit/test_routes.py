@@ -20,7 +20,7 @@ from kvpush.core.peers import Peer, PeerTable
 from kvpush.core.route import WriteRoute
 from kvpush.core.types import RecvRegistration, State, WorkerConfig
 from tests.unit.test_peer_copy import MemmovePeerCopy
-from tests.unit.test_transfer_states import StubWorker
+from tests.unit.test_transfer_states import StubWorker, push_reg
 
 LAYOUT = KVLayout([Region("r", 4096, 64, 16, layers=["l0"])], 16)
 
@@ -50,22 +50,7 @@ def meet(peers: PeerTable, agent: str, port: int, export: bytes | None) -> Peer:
     )
     fut: Future[AgentInfo] = Future()
     fut.set_result(info)
-    return peers.load("d", port, fut)
-
-
-def reg(port: int) -> wire.PushReg:
-    return wire.PushReg(
-        request_id="r",
-        decode_engine_id="D",
-        decode_host="d",
-        decode_port=port,
-        decode_tp_size=1,
-        local_block_ids=[[1, 2]],
-        remote_engine_id="P",
-        remote_host="p",
-        remote_port=1,
-        remote_tp_size=1,
-    )
+    return peers.load("h", port, fut)
 
 
 def test_a_peer_gets_the_copy_only_when_both_sides_have_the_hook() -> None:
@@ -81,11 +66,12 @@ def test_a_decline_switches_the_peer_for_good_until_it_is_forgotten() -> None:
     near = meet(peers, "D2", 2, b"h1")
     assert isinstance(other.route, CopyRoute)
     dst = [np.array([1, 2])]
-    assert other.route.arm(other, reg(1), dst) is None
+    assert other.route.arm(other, push_reg(1), dst) is None
     assert other.route is peers.write and peers.stats["copy_declined"] == 1
     # for good: the next registration goes straight to the WRITE, asking the hook nothing
-    assert other.route.arm(other, reg(1), dst) is None and peers.stats["copy_declined"] == 1
-    armed = near.route.arm(near, reg(2), dst)  # another peer keeps its copy
+    assert other.route.arm(other, push_reg(1), dst) is None
+    assert peers.stats["copy_declined"] == 1
+    armed = near.route.arm(near, push_reg(2), dst)  # another peer keeps its copy
     assert armed is not None and armed.route is near.route and armed.agent == "D2"
     peers.forget("D1")
     again = meet(peers, "D1", 1, b"h2")  # met again (a restart): chosen afresh

@@ -305,29 +305,34 @@ class StubP:
         return False
 
 
-def stepped_p(connected: bool = True) -> tuple[Any, StubP, PushTransfer]:
-    """A Producer whose request p1 met D0's registration d1 (P's blocks first)."""
+def push_reg(port: int, transfer_id: str | None = None) -> Any:
+    """D request d1's registration of blocks 1 and 2, from a decoder at h:``port``."""
     from kvpush.core import wire
-    from kvpush.core.producer import Producer
-    from kvpush.core.types import StagedBlocks
 
-    w = StubP(connected)
-    p = Producer(w)  # type: ignore[arg-type]
-    p.on_finished(StagedBlocks("p1", [[5, 6]], "t1"))
-    reg = wire.PushReg(
+    return wire.PushReg(
         request_id="d1",
         decode_engine_id="D",
         decode_host="h",
-        decode_port=7,
+        decode_port=port,
         decode_tp_size=1,
         local_block_ids=[[1, 2]],
         remote_engine_id="P",
         remote_host="h",
         remote_port=5600,
         remote_tp_size=1,
-        transfer_id="t1",
+        transfer_id=transfer_id,
     )
-    p.on_push_reg("D0", reg)
+
+
+def stepped_p(connected: bool = True) -> tuple[Any, StubP, PushTransfer]:
+    """A Producer whose request p1 met D0's registration d1 (P's blocks first)."""
+    from kvpush.core.producer import Producer
+    from kvpush.core.types import StagedBlocks
+
+    w = StubP(connected)
+    p = Producer(w)  # type: ignore[arg-type]
+    p.on_finished(StagedBlocks("p1", [[5, 6]], "t1"))
+    p.on_push_reg("D0", push_reg(7, "t1"))
     return p, w, p.by_prid["p1"].legs[0]
 
 
