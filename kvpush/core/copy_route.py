@@ -22,6 +22,7 @@ from kvpush.core.layout import group_limits
 from kvpush.core.peer_copy import PeerCopyHook, Signal, copy_dst, copy_src, single_src
 from kvpush.core.records import Armed, Flight, PendingReg, PushTransfer, source_blocks
 from kvpush.core.route import Route
+from kvpush.core.routing import block_pieces
 from kvpush.core.transport import WriteState
 from kvpush.core.types import StagedBlocks
 
@@ -57,7 +58,12 @@ class CopyRoute(Route):
         signal = None
         if isinstance(reg.lane, wire.LaneSlot) and peer.info.lane:
             signal = Signal(peer.info.lane, reg.lane.slot, reg.lane.gen)
-        cd = copy_dst(self.peers.limits_of(peer), self.peers.pieces_to(peer), dst, signal)
+        if peer.pieces is None or peer.limits is None:  # once per peer
+            peer.limits = group_limits(peer.info.layout)
+            peer.pieces = block_pieces(
+                self.peers.layout, peer.info.layout, self.peers.pairs_to(peer)
+            )
+        cd = copy_dst(peer.limits, peer.pieces, dst, signal)
         try:
             handle = self.hook.prepare(peer.agent, exported, cd)
         except Exception as e:  # nothing was written: the WRITE still can be

@@ -18,10 +18,10 @@ import numpy as np
 
 from kvpush.core.copy_route import CopyRoute
 from kvpush.core.handshake import AgentInfo, AgentSet
-from kvpush.core.layout import KVLayout, group_limits
+from kvpush.core.layout import KVLayout
 from kvpush.core.peer_copy import PeerCopyHook
 from kvpush.core.route import Route, WriteRoute
-from kvpush.core.routing import RegionPair, block_pieces, pair_regions
+from kvpush.core.routing import RegionPair, pair_regions
 from kvpush.core.transport import Transport
 from kvpush.core.types import WorkerConfig
 
@@ -37,8 +37,9 @@ class Peer:
     info: AgentInfo
     route: Route  # how our bytes reach it (core/route.py)
     pairs: list[RegionPair] | None = None  # our regions into the peer's, once computed
-    pieces: np.ndarray | None = None  # the same as block_pieces rows, once computed
-    limits: list[int] | None = None  # logical blocks per group of its layout, once computed
+    # For the copy route, once: the pairs as block_pieces rows, its layout's group_limits.
+    pieces: np.ndarray | None = None
+    limits: list[int] | None = None
     writes_to_us: bool = False  # its layout was checked to write into ours
 
     @property
@@ -157,18 +158,6 @@ class PeerTable:
         if peer.pairs is None:
             peer.pairs = pair_regions(self.layout, peer.info.layout)
         return peer.pairs
-
-    def limits_of(self, peer: Peer) -> list[int]:
-        """``group_limits`` of the peer's layout (computed once)."""
-        if peer.limits is None:
-            peer.limits = group_limits(peer.info.layout)
-        return peer.limits
-
-    def pieces_to(self, peer: Peer) -> np.ndarray:
-        """``block_pieces`` of our regions into the peer's (computed once)."""
-        if peer.pieces is None:
-            peer.pieces = block_pieces(self.layout, peer.info.layout, self.pairs_to(peer))
-        return peer.pieces
 
     def check_from(self, peer: Peer) -> None:
         """Raise LayoutError unless the peer can write into our layout (checked once)."""
