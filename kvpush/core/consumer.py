@@ -1,7 +1,9 @@
 """D side of the tick: send registrations to P and account for completions.
 
 Registrations and cancels share one inbox so a cancel is always handled after
-the registration it cancels. Runs on the ticking thread (the engine's, or the keeper).
+the registration it cancels. Completions come from one place (``_completion``): NIXL
+notifications, and the ends of same-host copies the copy route's receiver saw.
+Runs on the ticking thread (the engine's, or the keeper).
 """
 
 from __future__ import annotations
@@ -9,14 +11,13 @@ from __future__ import annotations
 import logging
 import queue
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
-import msgspec
-
 from kvpush.core import trace, wire
+from kvpush.core.copy_route import CopyReceiver
 from kvpush.core.errors import HandshakeError, LayoutError, TransportError
 from kvpush.core.late_writes import kernel_hold_s
 from kvpush.core.layout import validate_block_ids
@@ -25,25 +26,20 @@ from kvpush.core.routing import d_sources
 from kvpush.core.types import RecvRegistration, State, entered, transition
 
 if TYPE_CHECKING:
-    from kvpush.core.lane import CompletionLane
-    from kvpush.core.peers import Peer
     from kvpush.core.shared import Shared
 
 log = logging.getLogger(__name__)
 
 
 class Consumer:
-    def __init__(
-        self, shared: Shared, lane: CompletionLane | None = None, host_id: str = ""
-    ) -> None:
+    def __init__(self, shared: Shared, copies: CopyReceiver | None = None) -> None:
         self.s = shared
-        self.lane = lane  # ours, when same-host P ranks can copy into us
-        self.host_id = host_id  # ours (lane.host_identity): lane words only for this host
+        # Same-host P ranks' copies into us (none: every completion comes over NIXL).
+        self.copies = copies or CopyReceiver(0, "", Counter())
         # ("reg", RecvRegistration, None | (port, handshake future)) | ("cancel", id, expired)
         # | ("withdraw", RecvRegistration, None | (port, handshake future))
         self.reg_send_inbox: queue.SimpleQueue[tuple[str, Any, Any]] = queue.SimpleQueue()
         self.recvs: dict[str, RecvTransfer] = {}
-        self.laned = 0  # receives whose every source has a lane word
         self._block_bytes: list[int] | None = None  # bytes of one logical block, per group
         hold = shared.config.late_write_hold_s
         self.hold_s = kernel_hold_s() if hold is None else hold
@@ -53,9 +49,9 @@ class Consumer:
     def outstanding(self) -> int:
         return len(self.recvs)
 
-    def only_lanes(self) -> bool:
-        """Every outstanding receive ends by a lane word (none waits on a notification)."""
-        return len(self.recvs) == self.laned
+    def only_copies(self) -> bool:
+        """Every outstanding receive ends by its sources' copies (no notification awaited)."""
+        return len(self.recvs) == self.copies.covered()
 
     # ---- inbox -----------------------------------------------------------------------------
 
@@ -122,46 +118,22 @@ class Consumer:
             return
         msg = self._push_reg(r)
         for peer, (_, src) in zip(ready, ranks, strict=True):
-            if not self.s.notify(peer.agent, self._with_lane(t, msg, peer, src)):
+            if not self.s.notify(peer.agent, self.copies.offer(t.rid, peer, msg) if src else msg):
                 self._end(
                     t, State.FAILED, "failed", f"could not send the registration to {peer.agent}"
                 )
                 return
         t.agents = [p.agent for p in ready]
         t.sources = [p.agent for p, (_, src) in zip(ready, ranks, strict=True) if src]
-        if t.sources and len(t.lanes) == len(t.sources):
-            t.laned = True
-            self.laned += 1
+        self.copies.expect(t.rid, len(t.sources))
         t.sent_at = time.monotonic()
         transition(t, State.AWAITING, t.name, f"registered with {len(t.agents)} P ranks")
 
-    def _with_lane(self, t: RecvTransfer, msg: wire.PushReg, peer: Peer, src: bool) -> wire.PushReg:
-        """``msg`` with a word of our lane for a source that can copy into us directly."""
-        lane = self.lane
-        if lane is None or not src or peer.info.peer_copy is None:
-            return msg
-        if not peer.info.host_id or peer.info.host_id != self.host_id:
-            return msg  # another host: it WRITEs and notifies over NIXL
-        got = lane.reserve((t.rid, peer.agent))
-        if got is None:
-            self.s.stats["lane_full"] += 1
-            return msg
-        t.lanes.append(got[0])
-        return msgspec.structs.replace(msg, lane=wire.LaneSlot(*got))
-
-    def poll_lane(self) -> int:
-        """End the receives whose sources' copies wrote their lane words; returns how many
-        words were seen."""
-        lane = self.lane
-        if lane is None or not lane.waiting:
-            return 0
-        seen = lane.poll()
-        self.s.stats["lane_done"] += len(seen)
+    def poll_copies(self) -> int:
+        """Count the completions of same-host copies that reported their end; how many."""
+        seen = self.copies.poll()
         for rid, agent in seen:
-            t = self.recvs.get(rid)
-            if t is not None:
-                self._completed(t, agent)
-                t.lanes = [s for s in t.lanes if s in lane.waiting]
+            self._completion(agent, rid)
         return len(seen)
 
     def _in_use(self, agent: str) -> bool:
@@ -276,19 +248,19 @@ class Consumer:
     # ---- notifications from P ------------------------------------------------------------
 
     def on_completion(self, sender: str, c: wire.Completion) -> None:
-        t = self.recvs.get(c.request_id)
-        if t is None and c.request_id in self.holds:
+        self._completion(sender, c.request_id)
+
+    def _completion(self, sender: str, rid: str) -> None:
+        """A source says every byte of its part is in our blocks (or nothing was due)."""
+        t = self.recvs.get(rid)
+        if t is None and rid in self.holds:
             self.s.stats["completion_held"] += 1  # the late WRITE the hold is for
-            log.info("late completion for %s from %s: its blocks are held", c.request_id, sender)
+            log.info("late completion for %s from %s: its blocks are held", rid, sender)
             return
         if t is None:
             self.s.stats["completion_unknown"] += 1
-            log.warning("completion for unknown request %s from %s", c.request_id, sender)
+            log.warning("completion for unknown request %s from %s", rid, sender)
             return
-        self._completed(t, sender)
-
-    def _completed(self, t: RecvTransfer, sender: str) -> None:
-        """A source says every byte of its part is in our blocks (or nothing was due)."""
         if sender not in t.sources or sender in t.done_from:
             self.s.stats["completion_wrong_sender"] += 1
             log.warning(
@@ -373,9 +345,6 @@ class Consumer:
             self.s.stats["recv_failed" if state is State.FAILED else "recv_expired"] += 1
         elif state is State.DONE and was is State.AWAITING and t.sent_at:
             self.s.observe("kv_wait_seconds", time.monotonic() - t.sent_at)
-        if self.recvs.pop(t.rid, None) is t and t.laned:
-            self.laned -= 1
-        if self.lane is not None:
-            for slot in t.lanes:
-                self.lane.release(slot)
+        if self.recvs.pop(t.rid, None) is t:
+            self.copies.release(t.rid)  # its words still awaited
         self.s.emit(kind, t.rid, reason, blocks)

@@ -1,28 +1,15 @@
-"""The optional peer-copy hook: P copies straight into D's memory, NIXL only notifies.
+"""The optional peer-copy hook: P copies straight into D's memory (core/copy_route.py).
 
 On one host, GPU memory can be mapped into another process (CUDA IPC). Then one
-kernel on P can read P's scattered blocks and write D's scattered blocks in a
-single pass, where a NIXL WRITE pays per descriptor and the staging hook pays
-three passes. With a hook set on ``PushWorker.peer_copy``:
-
-* every worker advertises ``export()`` in its handshake (``AgentInfo.peer_copy``):
-  what a process on the same host needs to map its KV memory;
-* P, as soon as D's registration arrives (or when its blocks are ready, if they
-  came first), hands ``prepare`` a ``CopyDst``: D's block ids (range-checked) and the
-  peer's ``block_pieces`` rows (which bytes of a block go where, once per peer), so a
-  kernel expands them on the device instead of the host building a descriptor per
-  block. None (another host, no mapping, a range outside what D exported) falls back
-  to the WRITE, for that transfer and every later one to the same peer (until the
-  peer is forgotten: a restarted decoder is asked again);
-* when P's blocks are ready, ``launch`` starts the copy from them. If D offered a
-  word of its completion lane (core/lane.py) the copy writes it after the last byte
-  and the core only polls ``finished`` to free P's blocks; otherwise the hook waits
-  and P sends the plain completion instead of posting a WRITE.
-
-D needs nothing new beyond the lane: a copy ends the receive exactly as a WRITE's
-completion does. The implementation lives in ``kvpush.gpu.peer_copy``; the core
-never imports torch. The hook is called on the ticking thread only (the engine's,
-or the keeper in its place).
+kernel on P can read P's scattered blocks and write D's scattered blocks in a single
+pass, where a NIXL WRITE pays per descriptor. Every worker with a hook advertises
+``export()`` in its handshake (``AgentInfo.peer_copy``). When D registers, the copy
+route hands ``prepare`` a ``CopyDst`` (D's ids, range-checked, and the peer's
+``block_pieces`` rows, which a kernel expands on the device: no descriptor per block);
+when P's blocks are ready, ``launch`` P's ids (``copy_src``); then it polls
+``finished``. The implementation lives in ``kvpush.gpu.peer_copy``; the core never
+imports torch. The hook is called on the ticking thread only (the engine's, or the
+keeper in its place).
 """
 
 from __future__ import annotations

@@ -16,10 +16,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvpush.core.copy_route import CopyRoute
 from kvpush.core.handshake import AgentInfo, AgentSet
-from kvpush.core.layout import KVLayout, group_limits
+from kvpush.core.layout import KVLayout
 from kvpush.core.peer_copy import PeerCopyHook
-from kvpush.core.routing import RegionPair, block_pieces, pair_regions
+from kvpush.core.route import Route, WriteRoute
+from kvpush.core.routing import RegionPair, pair_regions
 from kvpush.core.transport import Transport
 from kvpush.core.types import WorkerConfig
 
@@ -33,10 +35,11 @@ FAILED_KEPT = 1024  # failed agents remembered (PeerTable.failed)
 class Peer:
     key: PeerKey
     info: AgentInfo
+    route: Route  # how our bytes reach it (core/route.py)
     pairs: list[RegionPair] | None = None  # our regions into the peer's, once computed
-    pieces: np.ndarray | None = None  # the same as block_pieces rows, once computed
-    limits: list[int] | None = None  # logical blocks per group of its layout, once computed
-    copy_declined: bool = False  # the peer-copy hook cannot reach this peer: WRITE only
+    # For the copy route, once: the pairs as block_pieces rows, its layout's group_limits.
+    pieces: np.ndarray | None = None
+    limits: list[int] | None = None
     writes_to_us: bool = False  # its layout was checked to write into ours
 
     @property
@@ -77,6 +80,8 @@ class PeerTable:
         # With a secret: the agents that proved it to us, either way.
         self.authenticated = AgentSet()
         self.handshakes: dict[PeerKey, Future[AgentInfo]] = {}
+        self.write = WriteRoute(self)
+        self.copy = CopyRoute(peer_copy, self, self.write) if peer_copy is not None else None
         self._executor = ThreadPoolExecutor(config.handshake_workers, "kvpush-handshake")
 
     def close(self) -> None:
@@ -132,7 +137,10 @@ class PeerTable:
             return old
         self.transport.add_peer(info.agent_name, info.nixl_metadata)
         self.failed.pop(info.agent_name, None)  # connected again
-        peer = Peer(key, info)
+        # The route for good, unless the copy is declined (CopyRoute.prepare) or the peer
+        # is forgotten: met again, it is chosen again.
+        copy = self.copy if info.peer_copy is not None else None
+        peer = Peer(key, info, copy or self.write)
         self.by_key[key] = peer
         self.by_agent[info.agent_name] = peer
         self.heard[info.agent_name] = time.monotonic()  # the handshake is a sign of life
@@ -150,18 +158,6 @@ class PeerTable:
         if peer.pairs is None:
             peer.pairs = pair_regions(self.layout, peer.info.layout)
         return peer.pairs
-
-    def limits_of(self, peer: Peer) -> list[int]:
-        """``group_limits`` of the peer's layout (computed once)."""
-        if peer.limits is None:
-            peer.limits = group_limits(peer.info.layout)
-        return peer.limits
-
-    def pieces_to(self, peer: Peer) -> np.ndarray:
-        """``block_pieces`` of our regions into the peer's (computed once)."""
-        if peer.pieces is None:
-            peer.pieces = block_pieces(self.layout, peer.info.layout, self.pairs_to(peer))
-        return peer.pieces
 
     def check_from(self, peer: Peer) -> None:
         """Raise LayoutError unless the peer can write into our layout (checked once)."""

@@ -1,9 +1,10 @@
 """P side of the tick: match finished blocks with D's registrations, one leg per D rank.
 
-A matched leg goes to the sender (core/sender.py), which copies or WRITEs it and reports
-its end; the producer answers D, frees the blocks once every leg has ended, and handles
-leases, cancels, withdrawals and heartbeats. Runs on the ticking thread (the engine's, or
-the keeper); handshake callbacks only put onto ``deferred_push_inbox``.
+A matched leg goes to the sender (core/sender.py), which posts it on its peer's route
+(a copy or a WRITE) and reports its end; the producer answers D, frees the blocks once
+every leg has ended, and handles leases, cancels, withdrawals and heartbeats. Runs on the
+ticking thread (the engine's, or the keeper); handshake callbacks only put onto
+``deferred_push_inbox``.
 """
 
 from __future__ import annotations
@@ -17,32 +18,23 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 from kvpush.core import trace, wire
-from kvpush.core.copy_path import CopyPath
 from kvpush.core.errors import HandshakeError, TransportError
 from kvpush.core.ids import Key, MatchTable
 from kvpush.core.layout import as_ids
-from kvpush.core.records import DKey, Launched, PendingGroup, PendingReg, PRequest, PushTransfer
+from kvpush.core.records import DKey, Flight, PendingGroup, PendingReg, PRequest, PushTransfer
 from kvpush.core.routing import p_targets
 from kvpush.core.sender import Sender
 from kvpush.core.types import ENDED, Poll, StagedBlocks, State, transition
 
 if TYPE_CHECKING:
-    from kvpush.core.peer_copy import PeerCopyHook
     from kvpush.core.peers import Peer
     from kvpush.core.shared import Shared
-    from kvpush.core.transport import Transport
 
 log = logging.getLogger(__name__)
 
 
 class Producer:
-    def __init__(
-        self,
-        shared: Shared,
-        transport: Transport,
-        limits: list[int],
-        peer_copy: PeerCopyHook | None = None,
-    ) -> None:
+    def __init__(self, shared: Shared) -> None:
         self.s = shared
         # (transfer or None for a prefetch, host, port, handshake future)
         self.deferred_push_inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
@@ -55,19 +47,7 @@ class Producer:
         self.withdrawn: dict[str, float] = {}  # transfer ids D withdrew before we staged them
         self.outbox: dict[tuple[str, int], list[wire.Message]] = defaultdict(list)
         s = shared
-        self.copy = CopyPath(peer_copy, s.peers, limits, s.stats)
-        self.sender = Sender(
-            s.peers,
-            transport,
-            self.copy,
-            s.layout,
-            s.config.tp_size,
-            s.stats,
-            s.observe,
-            self._replay,
-            self._finish,
-            self._fail,
-        )
+        self.sender = Sender(s.peers, s.stats, s.observe, self._replay, self._finish, self._fail)
 
     def has_unmatched(self) -> bool:
         return len(self.staged) > 0
@@ -91,7 +71,7 @@ class Producer:
         # The common case first: D's registration of this transfer id came first and its
         # copy is armed: copy now, keep the books after (the copy runs meanwhile).
         first = self.pending_regs.by_tid(staged.transfer_id)
-        early = None if first is None else self.copy.launch_armed(staged, first)
+        early = None if first is None else self.sender.launch_armed(staged, first)
         key = Key(staged.request_id, staged.transfer_id)
         group = self.pending_regs.pop(key)  # ``first`` if there was one
         if group is None:
@@ -100,7 +80,7 @@ class Producer:
                 log.warning("transfer id %s staged twice; ignoring %s", tid, rid)
                 return
         elif first is None:  # matched by request id: the same, a few lookups later
-            early = self.copy.launch_armed(staged, group)
+            early = self.sender.launch_armed(staged, group)
         preq = PRequest(staged.request_id, staged.block_ids, staged.transfer_id)
         preq.after = staged.after
         self.by_prid[preq.prid] = preq
@@ -136,8 +116,9 @@ class Producer:
         partition looks like a dead D, but the WRITE would go on once the link is back.
         Disconnecting D ends it in error (then its blocks are freed as for any failed
         WRITE) and the next push to D handshakes afresh."""
-        peer = self.s.peers.by_agent.get(t.sender)
-        if t.copy is None and peer is not None and self.s.peers.silent(peer):
+        peer, f = self.s.peers.by_agent.get(t.sender), t.flight
+        stops = f is not None and f.route.stopped_by_forget  # a copy runs to its end
+        if stops and peer is not None and self.s.peers.silent(peer):
             log.warning("push %s: D %s silent for the whole lease; disconnecting", t.name, t.sender)
             self.s.peers.forget(t.sender)
 
@@ -191,8 +172,9 @@ class Producer:
             self.pending_regs.add(key, PendingGroup({rank: pend}))
         else:
             group.regs[rank] = pend
-        if self.copy.hook is not None and self._feeds(reg):  # (no hook: nothing to arm)
-            pend.armed = self.copy.arm(sender, reg, pend.dst)
+        peer = self.s.peers.get(reg.decode_host, reg.decode_port)
+        if peer is not None and peer.agent == sender and self._feeds(reg):
+            pend.armed = peer.route.arm(peer, reg, pend.dst)  # while P's blocks are not ready
         # Handshake with D now, so the WRITE can start the moment P's blocks are ready.
         self._prefetch(reg.decode_host, reg.decode_port)
 
@@ -297,7 +279,7 @@ class Producer:
 
     # ---- matching and writing ------------------------------------------------------------
 
-    def _attach(self, preq: PRequest, pend: PendingReg, early: Launched | None = None) -> None:
+    def _attach(self, preq: PRequest, pend: PendingReg, early: Flight | None = None) -> None:
         """Start the leg of one D rank's registration: WRITE if this rank feeds that D rank."""
         reg = pend.reg
         if preq.expected is None:
@@ -309,7 +291,7 @@ class Producer:
         leg = PushTransfer(preq.prid, preq.blocks, preq.tid, preq=preq, stats=self.s.stats)
         leg.reg, leg.sender, leg.dst, leg.armed = reg, pend.sender, pend.dst, pend.armed
         if early is not None and pend.armed is None:
-            leg.early = early
+            leg.flight = early
         preq.legs[reg.decode_tp_rank] = leg
         self.by_dkey[(pend.sender, reg.request_id)] = leg
         transition(leg, State.MATCHED, leg.name, f"with D request {reg.request_id}")

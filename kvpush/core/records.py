@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
@@ -20,26 +20,34 @@ from kvpush.core.errors import LayoutError
 from kvpush.core.peer_copy import CopyDst
 from kvpush.core.types import POLL, Moves, Poll, RecvRegistration, State
 
+if TYPE_CHECKING:
+    from kvpush.core.route import Route
+
 DKey = tuple[str, str]  # (D agent that registered, D request id)
 
 
 @dataclass
 class Armed:
-    """A direct copy prepared when D registered: only P's block ids are missing."""
+    """A leg its route prepared when D registered (a copy: only P's ids are missing)."""
 
+    route: Route
     agent: str  # the D agent it was prepared for
     dst: CopyDst
-    handle: object  # the peer-copy hook's
+    handle: object  # the route's (the peer-copy hook's)
 
 
-@dataclass
-class Launched:
-    """A direct copy already launched; the leg's bookkeeping follows it."""
+@dataclass(slots=True)  # (made on the early launch's path: kept light)
+class Flight:
+    """One posted leg (a WRITE, a copy), polled by the route that posted it."""
 
-    armed: Armed
-    ids: list[Any]
+    route: Route
+    handle: object  # the route's: a NIXL handle, the hook's prepared copy
+    agent: str  # the D agent it goes to
+    units: int  # what it moves: descriptors, blocks (counted as ``route.units``)
     nbytes: int
-    signalled: bool
+    notice: str | None = None  # D's request id, when P sends the completion after it
+    name: str = ""  # the leg's (set when the leg goes WRITING), for the log
+    error: str = ""  # why it failed (``Route.poll`` gave ERROR)
 
 
 @dataclass
@@ -136,11 +144,8 @@ class PushTransfer:
     reg: wire.PushReg | None = None
     dst: list[np.ndarray] = field(default_factory=list)  # reg's ids, as arrays
     sender: str = ""
-    handle: Any = None
-    armed: Armed | None = None  # the direct copy prepared at registration, if any
-    early: Launched | None = None  # launched before this leg existed (CopyPath.launch_armed)
-    copy: object | None = None  # a launched direct copy, until it is over
-    notify: bool = False  # the copy writes no lane word: P sends the completion after it
+    armed: Armed | None = None  # what its route prepared at registration, if anything
+    flight: Flight | None = None  # posted (also before this leg existed: launch_armed)
     cancelled: bool = False  # D cancelled while the WRITE was in flight
     rechecked: bool = False  # the decoder's address was handshaken again (restart)
     staged_at: float = field(default_factory=time.monotonic)
@@ -195,8 +200,6 @@ class RecvTransfer:
     done_from: set[str] = field(default_factory=set)  # sources with nothing in flight
     fail_reason: str = ""  # failing: waiting for the other sources before reporting it
     aborted: bool = False
-    lanes: list[int] = field(default_factory=list)  # our lane's words reserved for sources
-    laned: bool = False  # every source got a word: the receive ends by a memory read
     sent_at: float = 0.0  # when PUSH_REG went to every P rank (monotonic)
     stats: Counter[str] | None = field(default=None, repr=False)  # counts illegal moves
 

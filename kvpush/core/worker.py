@@ -23,10 +23,11 @@ from typing import Any
 
 from kvpush.core import wire
 from kvpush.core.consumer import Consumer
+from kvpush.core.copy_route import CopyReceiver
 from kvpush.core.errors import KVPushError, TransportError, WireError
 from kvpush.core.handshake import PROTOCOL_VERSION, AgentInfo, SideChannelServer, fetch_agent_info
-from kvpush.core.lane import CompletionLane, host_identity
-from kvpush.core.layout import KVLayout, group_limits
+from kvpush.core.lane import host_identity
+from kvpush.core.layout import KVLayout
 from kvpush.core.peer_copy import PeerCopyHook
 from kvpush.core.peers import PeerTable
 from kvpush.core.producer import Producer
@@ -38,7 +39,7 @@ from kvpush.core.types import StagedBlocks, StepMeta, WorkerConfig, WorkerOutput
 log = logging.getLogger(__name__)
 
 MAX_OBSERVED = 10_000
-LANE_TICK_S = 1e-3  # only lane words awaited: the full tick at most this often
+LANE_TICK_S = 1e-3  # only copies' lane words awaited: the full tick at most this often
 KEEPER_S = 0.02  # the keeper polls when the engine made no call for this long
 
 
@@ -66,14 +67,10 @@ class PushWorker:
         self.observations: dict[str, list[float]] = {}
         transport.register(layout)
         self.peer_copy = peer_copy  # optional one-kernel copy into a same-host peer
-        # Where same-host copies into us report their end (core/lane.py): with a hook only.
-        self.lane: CompletionLane | None = None
-        if peer_copy is not None and config.lane_slots:
-            try:
-                self.lane = CompletionLane(config.lane_slots)
-            except OSError as e:  # no /dev/shm: completions keep going over NIXL
-                log.warning("no completion lane (%s); copies notify over NIXL", e)
-        self.limits = group_limits(layout)  # ids of group g lie below limits[g]
+        host = host_identity()
+        # Where same-host copies into us report their end (a lane word): with a hook only.
+        slots = config.lane_slots if peer_copy is not None else 0
+        self.copies = CopyReceiver(slots, host, self.stats)
         self.info = AgentInfo(
             protocol_version=PROTOCOL_VERSION,
             engine_id=config.engine_id,
@@ -83,8 +80,8 @@ class PushWorker:
             nixl_metadata=transport.metadata(),
             layout=layout,
             peer_copy=peer_copy.export() if peer_copy is not None else None,
-            lane=self.lane.name if self.lane is not None else None,
-            host_id=host_identity(),
+            lane=self.copies.name,
+            host_id=host,
         )
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -103,14 +100,14 @@ class PushWorker:
         shared = Shared(
             config, layout, self.stats, self.peers, self.notify, self.emit, self.observe
         )
-        self.producer = Producer(shared, transport, self.limits, peer_copy)
-        self.consumer = Consumer(shared, self.lane, self.info.host_id)
+        self.producer = Producer(shared)
+        self.consumer = Consumer(shared, self.copies)
         self._poll_s = config.poll_interval_s
         self._next_timers = 0.0
         # Nothing outstanding: get_finished ticks only when due (idle_poll_s); new work
         # comes through start_step, which always ticks.
         self._idle = False
-        self._lanes_only = False  # only lane words are awaited (see _timeout)
+        self._lanes_only = False  # only copies' lane words are awaited (see _timeout)
         self._keeper_running = True  # cleared by the keeper thread as it exits
         self._server = SideChannelServer(
             config.host, config.port, self.info, config.shared_secret, self.peers.authenticated.add
@@ -204,14 +201,14 @@ class PushWorker:
         return out
 
     def _poll(self) -> None:
-        """Under the lock. A lane word is a memory read: look every call (the tick reads
-        the lane first). The whole tick runs every call while anything else is
+        """Under the lock. A copy's lane word is a memory read: look every call (the tick
+        reads them first). The whole tick runs every call while anything else is
         outstanding, else when a handshake callback woke us or the timer is due."""
         busy = not self._idle and not self._lanes_only
         if busy or self._wake.is_set() or time.monotonic() >= self._next_tick:
             self._tick_now()
-        elif self.lane is not None and self.lane.waiting:
-            self.consumer.poll_lane()
+        elif self.copies.waiting:
+            self.consumer.poll_copies()
 
     def _keep(self) -> None:
         """Poll in the engine's place while it makes no calls (idle, or
@@ -233,8 +230,7 @@ class PushWorker:
         self._server.close()
         self.peers.close()
         self.transport.close()
-        if self.lane is not None:
-            self.lane.close()
+        self.copies.close()
 
     def handed_over(self, rid: str) -> HandOver | None:
         """The hand-over record of ``rid`` while its finished_sending is not reported."""
@@ -309,7 +305,7 @@ class PushWorker:
 
     def _tick(self) -> None:
         p, c = self.producer, self.consumer
-        busy = c.poll_lane()  # first: the cheapest way a receive can end
+        busy = c.poll_copies()  # first: the cheapest way a receive can end
         busy += self.drain(c.reg_send_inbox, c.on_item)
         busy += self.drain(p.deferred_push_inbox, p.on_deferred)
         busy += self._poll_notifs()
@@ -335,7 +331,7 @@ class PushWorker:
         elif self.consumer.outstanding():
             # get_finished reads the lane every call: while only lane words are awaited,
             # notifications (a PUSH_FAIL, heartbeats) can wait for the slow poll.
-            lanes = self.consumer.only_lanes()
+            lanes = self.consumer.only_copies()
             wait = max(cfg.max_poll_interval_s, LANE_TICK_S) if lanes else self._poll_s
         else:
             wait, idle = cfg.idle_poll_s, True

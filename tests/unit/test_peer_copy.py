@@ -187,14 +187,14 @@ def test_lane_word_ends_the_receive_and_the_copy_was_armed_at_registration(pair:
         kind, info = pr.outcome(f"r{i}")
         assert kind == "recv" and info["bad_regions"] == 0, info
     p, d = pr.p.worker, pr.d.worker
-    assert d.lane is not None and d.info.lane == d.lane.name
+    assert d.copies.name is not None and d.info.lane == d.copies.name
     # Both ended by the lane word, no completion notification. The second was prepared
     # when D registered (push() lets the registration reach P before the prefill ends);
     # the first could not be: P had not connected to D yet.
     assert d.stats["lane_done"] == 2 and d.stats["recv_done"] == 2
     assert p.stats["copy_armed"] == 1 and hook.prepared == 2 and p.stats["copies_done"] == 2
     assert p.stats["copy_early"] == 1  # and launched before the leg's bookkeeping
-    assert not d.lane.waiting  # every word given back
+    assert not d.copies.waiting and not d.copies.covered()  # every word given back
 
 
 def test_p_holds_its_blocks_until_a_launched_copy_finishes(pair: Any) -> None:
@@ -250,7 +250,7 @@ def test_without_a_lane_word_the_copy_is_notified_after_it(pair: Any, slots: int
         assert kind == "recv" and info["bad_regions"] == 0
     d = pr.d.worker
     assert d.stats["lane_done"] == slots and d.stats["lane_full"] == slots
-    assert (d.lane is None) == (slots == 0)
+    assert (d.copies.name is None) == (slots == 0)
 
 
 def test_no_lane_word_for_a_source_on_another_host(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -262,7 +262,8 @@ def test_no_lane_word_for_a_source_on_another_host(monkeypatch: pytest.MonkeyPat
         kind, info = pr.outcome("r0")
         assert kind == "recv" and info["bad_regions"] == 0
         d = pr.d.worker
-        assert d.stats["lane_done"] == 0 and d.consumer.laned == 0  # notified over the transport
+        # D has a lane but gave no word: the completion came over the transport
+        assert d.stats["lane_done"] == 0 and d.copies.name is not None
         assert pr.p.worker.stats["copies"] == 1
     finally:
         pr.close()

@@ -137,7 +137,6 @@ class StubWorker:
         # No late-write hold unless a test asks (tests/unit/test_late_writes.py).
         self.config = WorkerConfig(engine_id="D", late_write_hold_s=0.0)
         self.layout = KVLayout([Region("r", 4096, 64, 16)], 16)
-        self.lane = None
         self.peers = self
         self.by_agent: dict[str, Any] = {}  # (P ranks a hold would probe: none)
         self.failed: dict[str, None] = {}  # P ranks whose connection failed
@@ -227,21 +226,22 @@ def test_stepped_watchdog_expires_an_awaiting_receive() -> None:
 
 
 class StubP:
-    """Just what ``Producer`` asks of its worker: one D (agent "D0", same layout) that is
+    """Just what ``Producer`` asks of its worker (and of the peer table and transport the
+    WRITE route uses): one D (agent "D0", same layout, on the WRITE route) that is
     connected, or whose handshake the test finishes (``connect``); WRITEs the test ends
     (``end_writes``). No thread, no clock."""
 
     def __init__(self, connected: bool = True) -> None:
-        from kvpush.core.layout import KVLayout, Region, group_limits
+        from kvpush.core.layout import KVLayout, Region
         from kvpush.core.types import WorkerConfig
 
         self.stats: Counter[str] = Counter()
         self.config = WorkerConfig(engine_id="P")
         self.layout = KVLayout([Region("r", 4096, 64, 16, layers=["l0"])], 16)
-        self.limits = group_limits(self.layout)
-        self.peer_copy = None
+        from kvpush.core.route import WriteRoute
+
         info = SimpleNamespace(layout=self.layout, peer_copy=None)
-        self.peer = SimpleNamespace(agent="D0", info=info, copy_declined=False)
+        self.peer = SimpleNamespace(agent="D0", info=info, route=WriteRoute(self))  # type: ignore[arg-type]
         self.peers = self  # it plays the peer table too
         self.by_key: dict[tuple[str, int], Any] = {}
         self.by_agent: dict[str, Any] = {}
@@ -305,29 +305,34 @@ class StubP:
         return False
 
 
-def stepped_p(connected: bool = True) -> tuple[Any, StubP, PushTransfer]:
-    """A Producer whose request p1 met D0's registration d1 (P's blocks first)."""
+def push_reg(port: int, transfer_id: str | None = None) -> Any:
+    """D request d1's registration of blocks 1 and 2, from a decoder at h:``port``."""
     from kvpush.core import wire
-    from kvpush.core.producer import Producer
-    from kvpush.core.types import StagedBlocks
 
-    w = StubP(connected)
-    p = Producer(w, w, w.limits)  # type: ignore[arg-type]
-    p.on_finished(StagedBlocks("p1", [[5, 6]], "t1"))
-    reg = wire.PushReg(
+    return wire.PushReg(
         request_id="d1",
         decode_engine_id="D",
         decode_host="h",
-        decode_port=7,
+        decode_port=port,
         decode_tp_size=1,
         local_block_ids=[[1, 2]],
         remote_engine_id="P",
         remote_host="h",
         remote_port=5600,
         remote_tp_size=1,
-        transfer_id="t1",
+        transfer_id=transfer_id,
     )
-    p.on_push_reg("D0", reg)
+
+
+def stepped_p(connected: bool = True) -> tuple[Any, StubP, PushTransfer]:
+    """A Producer whose request p1 met D0's registration d1 (P's blocks first)."""
+    from kvpush.core.producer import Producer
+    from kvpush.core.types import StagedBlocks
+
+    w = StubP(connected)
+    p = Producer(w)  # type: ignore[arg-type]
+    p.on_finished(StagedBlocks("p1", [[5, 6]], "t1"))
+    p.on_push_reg("D0", push_reg(7, "t1"))
     return p, w, p.by_prid["p1"].legs[0]
 
 

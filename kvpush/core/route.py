@@ -1,0 +1,112 @@
+"""How P's bytes reach one peer: its ``Route``, chosen when the handshake completes
+(``PeerTable.load``): the same-host copy (core/copy_route.py) or the NIXL WRITE below.
+The sender knows only this interface, called on the ticking thread.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from kvpush.core import wire
+from kvpush.core.errors import PeerGoneError, TransportError
+from kvpush.core.records import Armed, Flight, PendingReg, PushTransfer, source_blocks
+from kvpush.core.routing import build_pair_descs
+from kvpush.core.transport import WriteState
+from kvpush.core.types import StagedBlocks
+
+if TYPE_CHECKING:
+    from kvpush.core.peers import Peer, PeerTable
+
+log = logging.getLogger(__name__)
+
+
+class Route:
+    """P's way into one peer's blocks: ``arm`` when D registers, ``post`` the leg when P's
+    blocks are ready, ``poll`` the ``Flight`` it got until it ends, then ``release`` it."""
+
+    posts = units = ""  # counters: legs posted, and what they moved (descriptors, blocks)
+    stopped_by_forget = False  # forgetting the peer ends a posted leg (in error)
+
+    def arm(self, peer: Peer, reg: wire.PushReg, dst: list[np.ndarray]) -> Armed | None:
+        """D registered before P's blocks are ready: prepare what can be (optional)."""
+        return None
+
+    def launch(self, armed: Armed, pend: PendingReg, staged: StagedBlocks) -> Flight | None:
+        """Post an armed leg before the producer's bookkeeping (``Sender.launch_armed``);
+        None when a check might fail: the leg then takes ``post``."""
+        return None
+
+    def post(self, t: PushTransfer, peer: Peer) -> Flight | None:
+        """Start moving the leg's bytes; None: not yet, P's blocks still follow device work
+        (``settled``; the sender asks again at each tick). Raises TransportError with the
+        reason to fail the leg, LayoutError or WireError for an invalid registration."""
+        raise NotImplementedError
+
+    def poll(self, f: Flight) -> WriteState:
+        """PENDING; DONE (D has been or will be told); ERROR (``f.error`` says why)."""
+        raise NotImplementedError
+
+    def release(self, f: Flight) -> None:
+        """Free what a flight holds, once ``poll`` gave its outcome."""
+
+
+def settled(t: PushTransfer) -> bool:
+    """True once the device work P's blocks follow (``StagedBlocks.after``) is done:
+    asked by query, never waited for (this may be the engine's thread)."""
+    preq = t.preq
+    if preq is None or preq.after is None:
+        return True
+    if not preq.after.query():
+        return False
+    preq.after = None
+    return True
+
+
+class WriteRoute(Route):
+    """A NIXL WRITE whose completion notification NIXL delivers after its bytes."""
+
+    posts, units = "writes", "write_descs"
+    stopped_by_forget = True  # NIXL ends a removed peer's WRITEs in error
+
+    def __init__(self, peers: PeerTable) -> None:
+        self.peers = peers  # its transport, our layout, config and stats
+
+    def post(self, t: PushTransfer, peer: Peer) -> Flight | None:
+        assert t.reg is not None
+        peers = self.peers
+        src_groups = source_blocks(t.dst, t.blocks)
+        if not settled(t):  # NIXL reads the bytes as they are
+            return None
+        pairs = peers.pairs_to(peer)
+        src, dst = build_pair_descs(
+            peers.layout, peer.info.layout, pairs, src_groups, t.dst, dst_unique=True
+        )
+        notif = wire.encode_completion(t.reg.request_id, peers.config.tp_size)
+        try:
+            handle = peers.transport.write(peer.agent, src, dst, notif)
+        except TransportError as e:
+            peers.stats["write_failed"] += 1
+            if isinstance(e, PeerGoneError):
+                peers.forget(peer.agent)
+            raise TransportError(f"WRITE could not be posted: {e}") from e
+        nbytes = int(src[:, 1].sum()) if len(src) else 0
+        return Flight(self, handle, peer.agent, len(src), nbytes)
+
+    def poll(self, f: Flight) -> WriteState:
+        try:
+            state = self.peers.transport.check(f.handle)
+        except TransportError as e:
+            log.warning("write %s: %s", f.name, e)
+            state = WriteState.ERROR
+        if state is WriteState.DONE:
+            self.peers.stats["writes_done"] += 1
+        elif state is WriteState.ERROR:
+            self.peers.stats["write_failed"] += 1
+            f.error = "WRITE failed"
+        return state
+
+    def release(self, f: Flight) -> None:
+        self.peers.transport.release(f.handle)

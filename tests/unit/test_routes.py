@@ -1,0 +1,126 @@
+"""Routes (core/route.py, core/copy_route.py): which one a peer gets at its handshake, and
+the copy route's receiving half ending D's receives, without threads or a clock."""
+
+from __future__ import annotations
+
+from collections import Counter
+from concurrent.futures import Future
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+
+from kvpush.core import wire
+from kvpush.core.copy_route import CopyReceiver, CopyRoute
+from kvpush.core.handshake import PROTOCOL_VERSION, AgentInfo
+from kvpush.core.lane import LaneView
+from kvpush.core.layout import KVLayout, Region
+from kvpush.core.memory_transport import Fabric, MemoryTransport
+from kvpush.core.peers import Peer, PeerTable
+from kvpush.core.route import WriteRoute
+from kvpush.core.types import RecvRegistration, State, WorkerConfig
+from tests.unit.test_peer_copy import MemmovePeerCopy
+from tests.unit.test_transfer_states import StubWorker, push_reg
+
+LAYOUT = KVLayout([Region("r", 4096, 64, 16, layers=["l0"])], 16)
+
+
+def table(hook: MemmovePeerCopy | None) -> PeerTable:
+    """P's peer table; its peers are made by ``meet``, never fetched."""
+    fabric = Fabric()
+    transport = MemoryTransport(fabric, "P")
+    transport.register(LAYOUT)
+    cfg = WorkerConfig(engine_id="P")
+    return PeerTable(cfg, transport, LAYOUT, None, "P", Counter(), lambda: None, hook, "h")  # type: ignore[arg-type]
+
+
+def meet(peers: PeerTable, agent: str, port: int, export: bytes | None) -> Peer:
+    """The handshake with D ``agent`` (exporting ``export``) completes."""
+    MemoryTransport(peers.transport.fabric, agent)  # type: ignore[attr-defined]
+    info = AgentInfo(
+        protocol_version=PROTOCOL_VERSION,
+        engine_id="D",
+        tp_rank=0,
+        tp_size=1,
+        agent_name=agent,
+        nixl_metadata=agent.encode(),
+        layout=LAYOUT,
+        peer_copy=export,
+        host_id="h",
+    )
+    fut: Future[AgentInfo] = Future()
+    fut.set_result(info)
+    return peers.load("h", port, fut)
+
+
+def test_a_peer_gets_the_copy_only_when_both_sides_have_the_hook() -> None:
+    with_hook = table(MemmovePeerCopy("h1"))
+    assert isinstance(meet(with_hook, "D1", 1, b"h1").route, CopyRoute)
+    assert isinstance(meet(with_hook, "D2", 2, None).route, WriteRoute)  # it exports nothing
+    assert isinstance(meet(table(None), "D3", 3, b"h1").route, WriteRoute)  # we have no hook
+
+
+def test_a_decline_switches_the_peer_for_good_until_it_is_forgotten() -> None:
+    peers = table(MemmovePeerCopy("h1"))
+    other = meet(peers, "D1", 1, b"h2")  # the hook cannot map it (another host)
+    near = meet(peers, "D2", 2, b"h1")
+    assert isinstance(other.route, CopyRoute)
+    dst = [np.array([1, 2])]
+    assert other.route.arm(other, push_reg(1), dst) is None
+    assert other.route is peers.write and peers.stats["copy_declined"] == 1
+    # for good: the next registration goes straight to the WRITE, asking the hook nothing
+    assert other.route.arm(other, push_reg(1), dst) is None
+    assert peers.stats["copy_declined"] == 1
+    armed = near.route.arm(near, push_reg(2), dst)  # another peer keeps its copy
+    assert armed is not None and armed.route is near.route and armed.agent == "D2"
+    peers.forget("D1")
+    again = meet(peers, "D1", 1, b"h2")  # met again (a restart): chosen afresh
+    assert again is not other and isinstance(again.route, CopyRoute)
+
+
+class LaneStub(StubWorker):
+    """``StubWorker`` whose P ranks are on our host and export peer-copy memory."""
+
+    def ensure(self, host: str, port: int, then: Any) -> Any:
+        info = SimpleNamespace(peer_copy=b"h", host_id="h")
+        return SimpleNamespace(agent=f"P{port}", info=info)
+
+
+def laned_receive(slots: int) -> tuple[Any, LaneStub, CopyReceiver]:
+    from kvpush.core.consumer import Consumer
+
+    w = LaneStub()
+    copies = CopyReceiver(slots, "h", w.stats)
+    c = Consumer(w, copies)  # type: ignore[arg-type]
+    c.on_item(("reg", RecvRegistration("d1", [[1, 2]], "P", "h", 0, remote_tp_size=2), None))
+    assert c.recvs["d1"].state is State.AWAITING
+    return c, w, copies
+
+
+def test_lane_words_end_a_receive_as_completions_do() -> None:
+    c, w, copies = laned_receive(8)
+    try:
+        words = {a: m.lane for a, m in w.sent if isinstance(m, wire.PushReg)}
+        assert set(words) == {"P0", "P1"} and all(words.values())
+        assert c.only_copies() and copies.covered() == 1
+        view = LaneView(copies.name)  # type: ignore[arg-type]
+        view.set(words["P0"].slot, words["P0"].gen)  # type: ignore[union-attr]
+        assert c.poll_copies() == 1 and "d1" in c.recvs  # P1's copy still runs
+        view.set(words["P1"].slot, words["P1"].gen)  # type: ignore[union-attr]
+        assert c.poll_copies() == 1 and w.events == [("recv", "d1")]
+        assert w.stats["lane_done"] == 2 and w.stats["recv_done"] == 1
+        assert not copies.waiting and not copies.covered()
+        view.close()
+    finally:
+        copies.close()
+
+
+def test_a_receive_that_ends_otherwise_gives_its_words_back() -> None:
+    c, w, copies = laned_receive(1)  # one word: the second source gets none
+    try:
+        assert w.stats["lane_full"] == 1 and not c.only_copies() and copies.waiting
+        c.on_item(("cancel", "d1", True))  # the watchdog
+        assert w.events == [("failed", "d1")]
+        assert not copies.waiting and not copies.covered()
+    finally:
+        copies.close()
