@@ -335,12 +335,13 @@ async def _serve_stream(
                 "X-Request-Id": tid,
             },
         )
+        client = sse.chunked_to(request, out)
         ok = False
         pump: asyncio.Task[bool] | None = None
         try:
             await out.prepare(request)
             trace.mark("router.prepared", tid)
-            relay = timed(metrics, d, sse.pump(upstream, out, "decode", cfg.timeout, first))
+            relay = timed(metrics, d, sse.pump(upstream, out, "decode", cfg.timeout, first, client))
             if succeeded(prefill):
                 # The usual case (D's first token waits for P's KV): nothing left to
                 # watch but the stream, relayed right here (no task, no wait per request).

@@ -19,6 +19,7 @@ import collections
 import functools
 import socket
 import ssl
+from collections.abc import Callable
 
 import httptools
 from multidict import CIMultiDict
@@ -73,7 +74,16 @@ class Response:
         self._size = 0
         self._error: BaseException | None = None
         self._waiter: asyncio.Future[None] | None = None
+        self._sink: Callable[[bytes], bool] | None = None
         self.head: asyncio.Future[None] = conn.loop.create_future()
+
+    def relay(self, sink: Callable[[bytes], bool] | None) -> None:
+        """With a `sink`, the body's pieces go to it from the connection's callback, as
+        they arrive (a woken reader costs a future, a loop turn and a task step per
+        piece), and `readany` returns only at the end of the body, on an error, or with
+        the pieces the sink declined (it returned False; then the sink is dropped).
+        None: back to buffering for `readany`."""
+        self._sink = sink
 
     async def readany(self) -> bytes:
         """The body received so far and not yet read; b"" at its end."""
@@ -125,7 +135,24 @@ class Response:
         self._size += len(data)
         if self._size > _HIGH_WATER:
             self._conn.pause()
-        self._wake()
+        if self._sink is None:
+            self._wake()
+
+    def _flush(self) -> None:
+        """After a read that brought body pieces but not the end: to the sink, if any."""
+        sink, chunks = self._sink, self._chunks
+        if sink is None or not chunks or self.complete or self._error is not None:
+            return
+        data = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
+        chunks.clear()
+        if sink(data):
+            if self._size > _HIGH_WATER:
+                self._conn.resume()
+            self._size = 0
+        else:
+            chunks.append(data)
+            self._sink = None
+            self._wake()
 
     def _fail(self, exc: BaseException) -> None:
         if not self.head.done():
@@ -192,6 +219,10 @@ class _Conn(asyncio.Protocol):
             if self.resp is not None:
                 self.resp._fail(UpstreamClosed(f"not a valid HTTP/1.1 response: {exc}"))
             self.close()
+            return
+        if self.resp is not None:
+            # Once per read, not per piece: what one read brought goes on in one write.
+            self.resp._flush()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
