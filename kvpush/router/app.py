@@ -347,27 +347,20 @@ async def _serve_stream(
         )
         client = sse.chunked_to(request, out)
         ok = False
-        pump: asyncio.Task[bool] | None = None
         try:
             await out.prepare(request)
             trace.mark("router.prepared", tid)
             relay = timed(metrics, d, sse.pump(upstream, out, "decode", cfg.timeout, first, client))
-            if succeeded(prefill):
-                # The usual case (D's first token waits for P's KV): nothing left to
-                # watch but the stream, relayed right here (no task, no wait per request).
-                ok = await replies.relayed(app, out, tid, relay, verdict)
-            else:
-                pump = asyncio.create_task(relay)
-                ok = await replies.relayed(
-                    app, out, tid, _until_decode_done(prefill, pump), verdict
-                )
+            if not succeeded(prefill):  # its failure ends the stream, in-stream
+                relay = tracking.watched(prefill, relay, _REFUSAL_GRACE_S)
+            ok = await replies.relayed(app, out, tid, relay, verdict)
         except ConnectionError:
             log.info("transfer %s: client went away mid-stream", tid)
         finally:
             # An unfinished stream's connection is closed, not pooled: D sees the hang-up
             # and aborts the request.
             upstream.release() if ok else upstream.close()
-            _settle(app, tid, prefill, ok, pump)
+            _settle(app, tid, prefill, ok)
         verdict.ok = ok
     if ok:
         await replies.end(out)

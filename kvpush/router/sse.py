@@ -82,7 +82,7 @@ async def pump(
     connection's callback straight to it, framed as chunks, while it keeps up (its
     buffer under `_DIRECT_LIMIT`); otherwise, and for what the callback declines, the
     loop below writes through aiohttp, whose write waits for a slow client and raises
-    for one gone. The last piece goes out with the end of the response, in one write.
+    for one gone.
 
     Raises `LegError` when the upstream stalls for `timeout` seconds, breaks, or ends
     without [DONE]."""
@@ -117,11 +117,8 @@ async def pump(
                     if tail.rstrip().endswith(DONE):
                         return True
                     raise legs.LegError(leg, "connection", "the stream ended without [DONE]")
-            tail = (tail + chunk)[-64:]
-            if upstream.complete and tail.rstrip().endswith(DONE):
-                await out.write_eof(chunk)
-                return True
             await out.write(chunk)
+            tail = (tail + chunk)[-64:]
             chunk = b""
     except asyncio.CancelledError:
         if watch.fired and watch.task is not None and watch.task.uncancel() == 0:

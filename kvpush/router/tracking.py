@@ -83,25 +83,29 @@ class Interrupt:
     runs in the handler's own task: a task per wait, and asyncio.wait on it, put two
     more loop turns between D's first chunk and the client."""
 
-    def __init__(self, prefill: asyncio.Task[Any], p: Instance, grace: float) -> None:
+    def __init__(self, prefill: asyncio.Task[Any], p: Instance | None, grace: float) -> None:
         self.loop = asyncio.get_running_loop()
         self.task = asyncio.current_task()
         self.prefill, self.p, self.grace = prefill, p, grace
         self.reason: BaseException | None = None
-        self.handle = self.loop.call_later(LOST_CHECK_S, self._check_lost)
+        self.handle: asyncio.TimerHandle | None = None
+        if p is not None:
+            self.handle = self.loop.call_later(LOST_CHECK_S, self._check_lost)
         prefill.add_done_callback(self._prefill_done)
 
     def _prefill_done(self, task: asyncio.Task[Any]) -> None:
         if task.cancelled() or task.exception() is None:
             return
         err = task.exception()
-        self.handle.cancel()
+        if self.handle is not None:
+            self.handle.cancel()
         if isinstance(err, legs.LegError) and err.refused:
             self.handle = self.loop.call_later(self.grace, self._fire, err)
         else:
             self._fire(err)  # type: ignore[arg-type]
 
     def _check_lost(self) -> None:
+        assert self.p is not None
         if succeeded(self.prefill) and not self.p.healthy:
             why = f"prefiller {self.p.url} left the pool after answering, before D had the KV"
             self._fire(legs.LegError("prefill", "connection", why))
@@ -121,8 +125,25 @@ class Interrupt:
         return None
 
     def close(self) -> None:
-        self.handle.cancel()
+        if self.handle is not None:
+            self.handle.cancel()
         self.prefill.remove_done_callback(self._prefill_done)
+
+
+async def watched(prefill: asyncio.Task[Any], relay: Awaitable[T], grace: float) -> T:
+    """`relay` (a stream's copy, after D's first chunk), ended by the prefill leg's
+    error once P fails (`Interrupt`, without the pool check: D has the KV). In the
+    caller's task: a task for the relay and asyncio.wait on it cost loop turns."""
+    interrupt = Interrupt(prefill, None, grace)
+    try:
+        return await relay
+    except asyncio.CancelledError:
+        reason = interrupt.caught()
+        if reason is None:
+            raise
+        raise reason from None
+    finally:
+        interrupt.close()
 
 
 def prefill_first(prefill: asyncio.Task[Any], d_err: legs.LegError | None) -> BaseException | None:
