@@ -88,13 +88,14 @@ class Interrupt:
         self.task = asyncio.current_task()
         self.prefill, self.p, self.grace = prefill, p, grace
         self.reason: BaseException | None = None
+        self.closed = False
         self.handle: asyncio.TimerHandle | None = None
         if p is not None:
             self.handle = self.loop.call_later(LOST_CHECK_S, self._check_lost)
         prefill.add_done_callback(self._prefill_done)
 
     def _prefill_done(self, task: asyncio.Task[Any]) -> None:
-        if task.cancelled() or task.exception() is None:
+        if self.closed or task.cancelled() or task.exception() is None:
             return
         err = task.exception()
         if self.handle is not None:
@@ -113,7 +114,7 @@ class Interrupt:
             self.handle = self.loop.call_later(LOST_CHECK_S, self._check_lost)
 
     def _fire(self, reason: BaseException) -> None:
-        if self.reason is None and self.task is not None:
+        if self.reason is None and self.task is not None and not self.closed:
             self.reason = reason
             self.task.cancel()
 
@@ -125,6 +126,9 @@ class Interrupt:
         return None
 
     def close(self) -> None:
+        # A done callback already scheduled is not removed by remove_done_callback: the
+        # flag keeps it from cancelling the task once the wait is over.
+        self.closed = True
         if self.handle is not None:
             self.handle.cancel()
         self.prefill.remove_done_callback(self._prefill_done)

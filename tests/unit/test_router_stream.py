@@ -13,6 +13,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from kvpush.router import legs, tracking
 from tests.unit.test_router import DEADLINE, completion_body, ok_prefill, running, stub
 
 
@@ -128,5 +129,22 @@ def test_a_client_slower_than_the_stream_gets_every_event_in_order() -> None:
                         elif line.startswith(b"data: "):
                             got.append(line[6:].strip())
         assert got == [*range(n), b"[DONE]"]
+
+    asyncio.run(main())
+
+
+def test_an_interrupt_closed_before_its_prefill_callback_runs_cancels_nothing() -> None:
+    # P fails in the loop turn in which D's first chunk ended the wait: the done callback
+    # is already scheduled when the wait closes its Interrupt, and must not cancel the
+    # handler afterwards.
+    async def main() -> None:
+        prefill: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        interrupt = tracking.Interrupt(prefill, None, 1.0)  # type: ignore[arg-type]
+        prefill.set_exception(legs.LegError("prefill", "upstream", "boom", 500))
+        interrupt.close()
+        for _ in range(3):
+            await asyncio.sleep(0)  # loop turns for the scheduled callback to run in
+        assert interrupt.reason is None
+        prefill.exception()
 
     asyncio.run(main())
