@@ -40,7 +40,7 @@ import aiohttp
 from aiohttp import web
 
 from kvpush.core import trace
-from kvpush.router import admin, bodies, info, legs, replies, sse, upkeep, wire
+from kvpush.router import admin, bodies, info, legs, replies, sse, tracking, upkeep, wire
 from kvpush.router.config import (
     BACKGROUND,
     CONFIG,
@@ -53,7 +53,7 @@ from kvpush.router.config import (
 )
 from kvpush.router.metrics import RouterMetrics
 from kvpush.router.pool import Instance, Pool, Role, affinity_key
-from kvpush.router.tracking import leg, refusal, retrieve, succeeded, timed, unless_lost, using
+from kvpush.router.tracking import leg, refusal, retrieve, succeeded, timed, using
 
 log = logging.getLogger(__name__)
 
@@ -213,15 +213,12 @@ async def _attempt(
     return await _serve_unary(request, path, dbody, dict(headers), prefill, tid, d)
 
 
-async def _until_decode_done(
-    prefill: asyncio.Task[Any], decode: asyncio.Task[T], p: Instance | None = None
-) -> T:
-    """Wait for the decode task; raise the prefill leg's error if it fails first, and,
-    with `p`, a prefill error once P left the pool before D had its KV (unless_lost)."""
+async def _until_decode_done(prefill: asyncio.Task[Any], decode: asyncio.Task[T]) -> T:
+    """Wait for the decode task; raise the prefill leg's error if it fails first."""
     while not decode.done():
         if succeeded(prefill):  # only D left to watch: awaiting its task directly is a
             # loop turn sooner than asyncio.wait (a cancel here cancels it, as cleanup would)
-            return await (decode if p is None else unless_lost(p, decode))
+            return await decode
         waiting = {decode} if prefill.done() else {prefill, decode}
         await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
         # Checked before the decode result: a decode leg that fails because P failed
@@ -313,19 +310,32 @@ async def _serve_stream(
     app = request.app
     cfg, metrics = app[CONFIG], app[METRICS]
     with using(metrics, d) as verdict:
-        opening = asyncio.create_task(_open_first(app, d.url + path, dbody, headers, retry_ok))
+        interrupt = tracking.Interrupt(prefill, p, _REFUSAL_GRACE_S)
         try:
-            # No KV on D before its first chunk: if P left the pool, it can go again.
-            upstream, first = await _until_decode_done(prefill, opening, p)
-            trace.mark("router.first_chunk", tid)
-        except legs.LegError as err:
-            _abandon_stream(app, tid, prefill, opening)
+            upstream, first = await _open_first(app, d.url + path, dbody, headers, retry_ok)
+            err = tracking.prefill_first(prefill, None)
+            if err is not None:
+                upstream.close()
+        except legs.LegError as own:
+            err = tracking.prefill_first(prefill, own)
+        except asyncio.CancelledError:
+            err = interrupt.caught()
+            if err is None:
+                _settle(app, tid, prefill, False)
+                raise
+        except BaseException:
+            _settle(app, tid, prefill, False)
+            raise
+        finally:
+            interrupt.close()
+        if err is not None:
+            _settle(app, tid, prefill, False)
+            if not isinstance(err, legs.LegError):
+                raise err
             if err.leg == "decode":
                 verdict.judge(err)
             return err
-        except BaseException:
-            _abandon_stream(app, tid, prefill, opening)
-            raise
+        trace.mark("router.first_chunk", tid)
         # From here the client has a 200: a later failure can only be reported in-stream.
         out = web.StreamResponse(
             status=upstream.status,
@@ -335,28 +345,22 @@ async def _serve_stream(
                 "X-Request-Id": tid,
             },
         )
+        client = sse.chunked_to(request, out)
         ok = False
-        pump: asyncio.Task[bool] | None = None
         try:
             await out.prepare(request)
             trace.mark("router.prepared", tid)
-            relay = timed(metrics, d, sse.pump(upstream, out, "decode", cfg.timeout, first))
-            if succeeded(prefill):
-                # The usual case (D's first token waits for P's KV): nothing left to
-                # watch but the stream, relayed right here (no task, no wait per request).
-                ok = await replies.relayed(app, out, tid, relay, verdict)
-            else:
-                pump = asyncio.create_task(relay)
-                ok = await replies.relayed(
-                    app, out, tid, _until_decode_done(prefill, pump), verdict
-                )
+            relay = timed(metrics, d, sse.pump(upstream, out, "decode", cfg.timeout, first, client))
+            if not succeeded(prefill):  # its failure ends the stream, in-stream
+                relay = tracking.watched(prefill, relay, _REFUSAL_GRACE_S)
+            ok = await replies.relayed(app, out, tid, relay, verdict)
         except ConnectionError:
             log.info("transfer %s: client went away mid-stream", tid)
         finally:
             # An unfinished stream's connection is closed, not pooled: D sees the hang-up
             # and aborts the request.
             upstream.release() if ok else upstream.close()
-            _settle(app, tid, prefill, ok, pump)
+            _settle(app, tid, prefill, ok)
         verdict.ok = ok
     if ok:
         await replies.end(out)
@@ -383,16 +387,3 @@ async def _open_first(
         upstream.close()
         raise
     return upstream, first
-
-
-def _abandon_stream(
-    app: web.Application,
-    tid: str,
-    prefill: asyncio.Task[Any],
-    opening: asyncio.Task[tuple[wire.Response, bytes]],
-) -> None:
-    # The decode stream may have opened just as the prefill leg failed: give its
-    # connection back rather than leak it.
-    if opening.done() and not opening.cancelled() and opening.exception() is None:
-        opening.result()[0].close()
-    _settle(app, tid, prefill, False, opening)

@@ -90,8 +90,10 @@ async def serve_alone(
             out = web.StreamResponse(
                 status=upstream.status, headers={**out_headers, "Cache-Control": "no-cache"}
             )
+            client = sse.chunked_to(request, out)
             await out.prepare(request)
-            pump = timed(metrics, d, sse.pump(upstream, out, "decode", cfg.timeout))
+            copy = sse.pump(upstream, out, "decode", cfg.timeout, client=client)
+            pump = timed(metrics, d, copy)
             ok = verdict.ok = await relayed(app, out, tid, pump, verdict)
             if ok:
                 await end(out)

@@ -17,6 +17,9 @@ from aiohttp import web
 from kvpush.router import legs, wire
 
 DONE = b"data: [DONE]"
+# The client's unsent bytes above which a relayed piece waits for aiohttp's writer
+# (which waits for the client) rather than going to its connection directly.
+_DIRECT_LIMIT = 64 * 1024
 
 
 def error_event(payload: dict[str, Any]) -> bytes:
@@ -69,23 +72,46 @@ async def pump(
     leg: legs.LegName,
     timeout: float,
     first: bytes = b"",
+    client: asyncio.Transport | None = None,
 ) -> bool:
     """Copy the stream piece by piece as it arrives (starting with `first`, already
     read); True once it ended with [DONE].
+
+    With `client` (the client's connection, for a response prepared with chunked
+    encoding), once aiohttp's writer has sent the head, pieces go from the upstream
+    connection's callback straight to it, framed as chunks, while it keeps up (its
+    buffer under `_DIRECT_LIMIT`); otherwise, and for what the callback declines, the
+    loop below writes through aiohttp, whose write waits for a slow client and raises
+    for one gone.
 
     Raises `LegError` when the upstream stalls for `timeout` seconds, breaks, or ends
     without [DONE]."""
     watch = _Watchdog(timeout)
     tail = b""
     chunk = first
+
+    def sink(data: bytes) -> bool:
+        nonlocal tail
+        assert client is not None
+        if client.is_closing() or client.get_write_buffer_size() > _DIRECT_LIMIT:
+            return False
+        client.write(b"%x\r\n%s\r\n" % (len(data), data))
+        tail = (tail + data)[-64:]
+        watch.since = watch.loop.time()
+        return True
+
     try:
         while True:
             if not chunk:
+                if client is not None and tail:  # tail: the head went out before it
+                    upstream.relay(sink)
                 watch.since, watch.reading = watch.loop.time(), True
                 try:
                     chunk = await upstream.readany()
                 except OSError as exc:
                     raise legs.LegError(leg, "connection", f"{type(exc).__name__}: {exc}") from exc
+                finally:
+                    upstream.relay(None)
                 watch.reading = False
                 if not chunk:
                     if tail.rstrip().endswith(DONE):
@@ -100,6 +126,16 @@ async def pump(
         raise
     finally:
         watch.handle.cancel()
+
+
+def chunked_to(request: web.Request, out: web.StreamResponse) -> asyncio.Transport | None:
+    """The client's connection for `pump` to write chunks to directly: set up before
+    `out` is prepared, for an HTTP/1.1 client (an HTTP/1.0 one gets no chunked
+    encoding: aiohttp's writer then copies the stream as it is)."""
+    if request.version < (1, 1) or out.status in (204, 304):
+        return None
+    out.enable_chunked_encoding()
+    return request.transport  # type: ignore[return-value]
 
 
 async def write_error(out: web.StreamResponse, payload: dict[str, Any]) -> None:

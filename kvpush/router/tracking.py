@@ -74,17 +74,92 @@ async def timed(metrics: RouterMetrics, inst: Instance, call: Awaitable[T]) -> T
     return result
 
 
-async def unless_lost(p: Instance, decode: asyncio.Task[T]) -> T:
-    """D's result; or, once P left the pool by its health probes while D still waits for
-    the KV P answered for, a prefill `LegError`: the request can be sent again at once
-    instead of after D's watchdog (a P that answered and died never pushes)."""
-    while True:
-        done, _ = await asyncio.wait({decode}, timeout=LOST_CHECK_S)
-        if done:
-            return decode.result()
-        if not p.healthy:
-            why = f"prefiller {p.url} left the pool after answering, before D had the KV"
-            raise legs.LegError("prefill", "connection", why)
+class Interrupt:
+    """While the current task waits for D's first chunk (no KV on D before it, so the
+    request can still go again): cancels it once the prefill leg failed (a refusal only
+    after `grace` seconds, for D's own refusal to come: both validate the same fields),
+    or once P answered and then left the pool by its health probes (a P that answered
+    and died never pushes: sent again at once instead of after D's watchdog). The wait
+    runs in the handler's own task: a task per wait, and asyncio.wait on it, put two
+    more loop turns between D's first chunk and the client."""
+
+    def __init__(self, prefill: asyncio.Task[Any], p: Instance | None, grace: float) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.task = asyncio.current_task()
+        self.prefill, self.p, self.grace = prefill, p, grace
+        self.reason: BaseException | None = None
+        self.closed = False
+        self.handle: asyncio.TimerHandle | None = None
+        if p is not None:
+            self.handle = self.loop.call_later(LOST_CHECK_S, self._check_lost)
+        prefill.add_done_callback(self._prefill_done)
+
+    def _prefill_done(self, task: asyncio.Task[Any]) -> None:
+        if self.closed or task.cancelled() or task.exception() is None:
+            return
+        err = task.exception()
+        if self.handle is not None:
+            self.handle.cancel()
+        if isinstance(err, legs.LegError) and err.refused:
+            self.handle = self.loop.call_later(self.grace, self._fire, err)
+        else:
+            self._fire(err)  # type: ignore[arg-type]
+
+    def _check_lost(self) -> None:
+        assert self.p is not None
+        if succeeded(self.prefill) and not self.p.healthy:
+            why = f"prefiller {self.p.url} left the pool after answering, before D had the KV"
+            self._fire(legs.LegError("prefill", "connection", why))
+        else:
+            self.handle = self.loop.call_later(LOST_CHECK_S, self._check_lost)
+
+    def _fire(self, reason: BaseException) -> None:
+        if self.reason is None and self.task is not None and not self.closed:
+            self.reason = reason
+            self.task.cancel()
+
+    def caught(self) -> BaseException | None:
+        """In an `except CancelledError`: why this interrupted the wait, or None when the
+        cancel (also) came from elsewhere (the client left)."""
+        if self.reason is not None and self.task is not None and self.task.uncancel() == 0:
+            return self.reason
+        return None
+
+    def close(self) -> None:
+        # A done callback already scheduled is not removed by remove_done_callback: the
+        # flag keeps it from cancelling the task once the wait is over.
+        self.closed = True
+        if self.handle is not None:
+            self.handle.cancel()
+        self.prefill.remove_done_callback(self._prefill_done)
+
+
+async def watched(prefill: asyncio.Task[Any], relay: Awaitable[T], grace: float) -> T:
+    """`relay` (a stream's copy, after D's first chunk), ended by the prefill leg's
+    error once P fails (`Interrupt`, without the pool check: D has the KV). In the
+    caller's task: a task for the relay and asyncio.wait on it cost loop turns."""
+    interrupt = Interrupt(prefill, None, grace)
+    try:
+        return await relay
+    except asyncio.CancelledError:
+        reason = interrupt.caught()
+        if reason is None:
+            raise
+        raise reason from None
+    finally:
+        interrupt.close()
+
+
+def prefill_first(prefill: asyncio.Task[Any], d_err: legs.LegError | None) -> BaseException | None:
+    """What to report once D's first chunk came (`d_err` None) or D failed: P's failure
+    if P failed (a decode leg that fails because P failed is reported as the prefill
+    failure that caused it), unless both refused (then D's own refusal); else `d_err`."""
+    if not prefill.done() or prefill.cancelled() or prefill.exception() is None:
+        return d_err
+    p_err = prefill.exception()
+    if isinstance(p_err, legs.LegError) and p_err.refused and d_err is not None and d_err.refused:
+        return d_err
+    return p_err
 
 
 def succeeded(task: asyncio.Task[Any]) -> bool:

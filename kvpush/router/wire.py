@@ -19,6 +19,7 @@ import collections
 import functools
 import socket
 import ssl
+from collections.abc import Callable
 
 import httptools
 from multidict import CIMultiDict
@@ -27,6 +28,8 @@ from yarl import URL
 _IDLE_S = 4.0
 # Bytes held from one response before reading its socket pauses (a slow client).
 _HIGH_WATER = 256 * 1024
+# One read's most: an SSE event or a unary answer's head fits many times over.
+_READ_SIZE = 64 * 1024
 
 
 class UpstreamClosed(ConnectionError):
@@ -73,7 +76,16 @@ class Response:
         self._size = 0
         self._error: BaseException | None = None
         self._waiter: asyncio.Future[None] | None = None
+        self._sink: Callable[[bytes], bool] | None = None
         self.head: asyncio.Future[None] = conn.loop.create_future()
+
+    def relay(self, sink: Callable[[bytes], bool] | None) -> None:
+        """With a `sink`, the body's pieces go to it from the connection's callback, as
+        they arrive (a woken reader costs a future, a loop turn and a task step per
+        piece), and `readany` returns only at the end of the body, on an error, or with
+        the pieces the sink declined (it returned False; then the sink is dropped).
+        None: back to buffering for `readany`."""
+        self._sink = sink
 
     async def readany(self) -> bytes:
         """The body received so far and not yet read; b"" at its end."""
@@ -125,7 +137,24 @@ class Response:
         self._size += len(data)
         if self._size > _HIGH_WATER:
             self._conn.pause()
-        self._wake()
+        if self._sink is None:
+            self._wake()
+
+    def _flush(self) -> None:
+        """After a read that brought body pieces but not the end: to the sink, if any."""
+        sink, chunks = self._sink, self._chunks
+        if sink is None or not chunks or self.complete or self._error is not None:
+            return
+        data = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
+        chunks.clear()
+        if sink(data):
+            if self._size > _HIGH_WATER:
+                self._conn.resume()
+            self._size = 0
+        else:
+            chunks.append(data)
+            self._sink = None
+            self._wake()
 
     def _fail(self, exc: BaseException) -> None:
         if not self.head.done():
@@ -136,8 +165,13 @@ class Response:
         self._wake()
 
 
-class _Conn(asyncio.Protocol):
-    """One connection to an upstream; at most one request on it at a time."""
+class _Conn(asyncio.BufferedProtocol):
+    """One connection to an upstream; at most one request on it at a time.
+
+    Buffered: each read lands in the pool's one buffer, which llhttp parses at once (its
+    callbacks copy what they keep), where a plain protocol's read allocates a new
+    256 KiB buffer and shrinks it, per read (on glibc, at times an mmap, mremap and
+    munmap per read)."""
 
     def __init__(self, pool: Upstreams, key: tuple[bool, str, int]) -> None:
         self.loop = asyncio.get_running_loop()
@@ -185,13 +219,20 @@ class _Conn(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # uvloop's is no subclass
 
-    def data_received(self, data: bytes) -> None:
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self.pool.buffer
+
+    def buffer_updated(self, nbytes: int) -> None:
         try:
-            self.parser.feed_data(data)
+            self.parser.feed_data(self.pool.buffer[:nbytes])
         except httptools.HttpParserError as exc:
             if self.resp is not None:
                 self.resp._fail(UpstreamClosed(f"not a valid HTTP/1.1 response: {exc}"))
             self.close()
+            return
+        if self.resp is not None:
+            # Once per read, not per piece: what one read brought goes on in one write.
+            self.resp._flush()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
@@ -242,6 +283,9 @@ class Upstreams:
         self._idle: dict[tuple[bool, str, int], list[_Conn]] = {}
         self._all: set[_Conn] = set()
         self._tls: ssl.SSLContext | None = None
+        # Shared by every connection: the loop reads one at a time, and each read is
+        # parsed before the next.
+        self.buffer = memoryview(bytearray(_READ_SIZE))
 
     async def post(
         self, url: str, body: bytes, headers: dict[str, str], content_type: str

@@ -184,7 +184,8 @@ def test_stream_chunks_pass_through_in_order_as_they_arrive() -> None:
     asyncio.run(main())
 
 
-def test_prefill_500_gives_502_and_cancels_decode() -> None:
+@pytest.mark.parametrize("stream", [False, True])
+def test_prefill_500_gives_502_and_cancels_decode(stream: bool) -> None:
     decode_arrived = asyncio.Event()
     decode_cancelled = asyncio.Event()
     never = asyncio.Event()
@@ -204,7 +205,7 @@ def test_prefill_500_gives_502_and_cancels_decode() -> None:
 
     async def main() -> None:
         async with running(stub(prefill), stub(decode)) as (url, cl):
-            async with cl.post(url + "/v1/completions", json=completion_body()) as resp:
+            async with cl.post(url + "/v1/completions", json=completion_body(stream)) as resp:
                 assert resp.status == 502
                 err = (await resp.json())["error"]
             assert err["leg"] == "prefill" and err["upstream_status"] == 500
@@ -469,13 +470,14 @@ def test_decode_refusal_is_passed_through_at_once_and_cancels_prefill(
     asyncio.run(main())
 
 
-def test_prefill_refusal_is_passed_through_and_cancels_decode() -> None:
+@pytest.mark.parametrize("stream", [False, True])
+def test_prefill_refusal_is_passed_through_and_cancels_decode(stream: bool) -> None:
     arrived, cancelled = asyncio.Event(), asyncio.Event()
 
     async def main() -> None:
         decode = stub(waits_until_cancelled(arrived, cancelled))
         async with running(stub(refuses(422)), decode) as (url, cl):
-            async with cl.post(url + "/v1/completions", json=completion_body()) as resp:
+            async with cl.post(url + "/v1/completions", json=completion_body(stream)) as resp:
                 assert resp.status == 422
                 assert await resp.json() == REFUSAL
             await asyncio.wait_for(cancelled.wait(), DEADLINE)
@@ -483,7 +485,8 @@ def test_prefill_refusal_is_passed_through_and_cancels_decode() -> None:
     asyncio.run(main())
 
 
-def test_when_both_refuse_the_decode_legs_refusal_wins() -> None:
+@pytest.mark.parametrize("stream", [False, True])
+def test_when_both_refuse_the_decode_legs_refusal_wins(stream: bool) -> None:
     # D got the client's own body, so its refusal is the one a plain server gives.
     mine = {"error": {"message": "decode's words", "code": 400}}
     p_sent = asyncio.Event()
@@ -500,7 +503,7 @@ def test_when_both_refuse_the_decode_legs_refusal_wins() -> None:
 
     async def main() -> None:
         async with running(stub(prefill), stub(decode)) as (url, cl):
-            async with cl.post(url + "/v1/completions", json=completion_body()) as resp:
+            async with cl.post(url + "/v1/completions", json=completion_body(stream)) as resp:
                 assert resp.status == 400
                 assert await resp.json() == mine
 

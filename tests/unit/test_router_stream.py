@@ -7,11 +7,13 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from typing import Any
 
 import aiohttp
 import pytest
 from aiohttp import web
 
+from kvpush.router import legs, tracking
 from tests.unit.test_router import DEADLINE, completion_body, ok_prefill, running, stub
 
 
@@ -95,5 +97,54 @@ def test_a_stream_longer_than_the_timeout_with_short_gaps_is_relayed_whole(
         async with running(prefill, stub(decode), timeout=timeout) as (url, cl):
             events = await events_of(url, cl, first_read)
         assert events == [*(f'{{"i": {i}}}'.encode() for i in range(n)), b"[DONE]"]
+
+    asyncio.run(main())
+
+
+def test_a_client_slower_than_the_stream_gets_every_event_in_order() -> None:
+    # Far more than the loopback sockets buffer: the router's relay must hold back (the
+    # client's connection is behind) without losing or reordering a byte.
+    n, pad = 400, "x" * 32 * 1024
+
+    async def decode(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for i in range(n):
+            await resp.write(f'data: {{"i": {i}, "pad": "{pad}"}}\n\n'.encode())
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    async def main() -> None:
+        got: list[Any] = []
+        async with running(stub(ok_prefill), stub(decode)) as (url, cl):
+            async with asyncio.timeout(6 * DEADLINE):
+                async with cl.post(url + "/v1/completions", json=completion_body(True)) as resp:
+                    async for line in resp.content:
+                        if line.startswith(b"data: {"):
+                            event = json.loads(line[6:])
+                            assert event["pad"] == pad
+                            got.append(event["i"])
+                            if len(got) < 100:
+                                await asyncio.sleep(0.002)  # the pace under test
+                        elif line.startswith(b"data: "):
+                            got.append(line[6:].strip())
+        assert got == [*range(n), b"[DONE]"]
+
+    asyncio.run(main())
+
+
+def test_an_interrupt_closed_before_its_prefill_callback_runs_cancels_nothing() -> None:
+    # P fails in the loop turn in which D's first chunk ended the wait: the done callback
+    # is already scheduled when the wait closes its Interrupt, and must not cancel the
+    # handler afterwards.
+    async def main() -> None:
+        prefill: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        interrupt = tracking.Interrupt(prefill, None, 1.0)  # type: ignore[arg-type]
+        prefill.set_exception(legs.LegError("prefill", "upstream", "boom", 500))
+        interrupt.close()
+        for _ in range(3):
+            await asyncio.sleep(0)  # loop turns for the scheduled callback to run in
+        assert interrupt.reason is None
+        prefill.exception()
 
     asyncio.run(main())
