@@ -71,7 +71,8 @@ class Producer:
         # The common case first: D's registration of this transfer id came first and its
         # copy is armed: copy now, keep the books after (the copy runs meanwhile).
         first = self.pending_regs.by_tid(staged.transfer_id)
-        early = None if first is None else self.sender.launch_armed(staged, first)
+        layered = staged.feed is not None  # its blocks are still being written
+        early = None if first is None or layered else self.sender.launch_armed(staged, first)
         key = Key(staged.request_id, staged.transfer_id)
         group = self.pending_regs.pop(key)  # ``first`` if there was one
         if group is None:
@@ -79,10 +80,10 @@ class Producer:
                 tid, rid = key.transfer_id, key.request_id
                 log.warning("transfer id %s staged twice; ignoring %s", tid, rid)
                 return
-        elif first is None:  # matched by request id: the same, a few lookups later
+        elif first is None and not layered:  # matched by request id: a few lookups later
             early = self.sender.launch_armed(staged, group)
         preq = PRequest(staged.request_id, staged.block_ids, staged.transfer_id)
-        preq.after = staged.after
+        preq.after, preq.feed = staged.after, staged.feed
         self.by_prid[preq.prid] = preq
         log.debug("transfer %s: staged (P request %s)", preq.tid or preq.prid, preq.prid)
         for pend in group.regs.values() if group else ():

@@ -17,6 +17,7 @@ import numpy as np
 
 from kvpush.core import wire
 from kvpush.core.errors import LayoutError
+from kvpush.core.layers import LayerFeed
 from kvpush.core.peer_copy import CopyDst
 from kvpush.core.types import POLL, Moves, Poll, RecvRegistration, State
 
@@ -98,6 +99,7 @@ class PRequest:
     tid: str | None
     expected: int | None = None  # D's TP size, known from the first registration
     after: Any = None  # StagedBlocks.after until waited for (None: the bytes are final)
+    feed: LayerFeed | None = None  # pushed layer by layer (StagedBlocks.feed)
     legs: dict[int, PushTransfer] = field(default_factory=dict)
     resolved: int = 0
     ended: bool = False  # evicted: no more legs will be started

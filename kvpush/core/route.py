@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvpush.core import wire
+from kvpush.core import layer_route, wire
 from kvpush.core.errors import PeerGoneError, TransportError
 from kvpush.core.records import Armed, Flight, PendingReg, PushTransfer, source_blocks
 from kvpush.core.routing import build_pair_descs
@@ -29,6 +29,7 @@ class Route:
 
     posts = units = ""  # counters: legs posted, and what they moved (descriptors, blocks)
     stopped_by_forget = False  # forgetting the peer ends a posted leg (in error)
+    layered = False  # posts a request layer by layer as its forward writes them
 
     def arm(self, peer: Peer, reg: wire.PushReg, dst: list[np.ndarray]) -> Armed | None:
         """D registered before P's blocks are ready: prepare what can be (optional)."""
@@ -70,6 +71,7 @@ class WriteRoute(Route):
 
     posts, units = "writes", "write_descs"
     stopped_by_forget = True  # NIXL ends a removed peer's WRITEs in error
+    layered = True  # core/layer_route.py
 
     def __init__(self, peers: PeerTable) -> None:
         self.peers = peers  # its transport, our layout, config and stats
@@ -77,6 +79,8 @@ class WriteRoute(Route):
     def post(self, t: PushTransfer, peer: Peer) -> Flight | None:
         assert t.reg is not None
         peers = self.peers
+        if t.preq is not None and t.preq.feed is not None:  # layer by layer
+            return layer_route.start(self, peers, t, peer)
         src_groups = source_blocks(t.dst, t.blocks)
         if not settled(t):  # NIXL reads the bytes as they are
             return None
@@ -96,6 +100,8 @@ class WriteRoute(Route):
         return Flight(self, handle, peer.agent, len(src), nbytes)
 
     def poll(self, f: Flight) -> WriteState:
+        if isinstance(f.handle, layer_route.LayerWrites):
+            return layer_route.advance(self.peers, f)
         try:
             state = self.peers.transport.check(f.handle)
         except TransportError as e:
@@ -109,4 +115,5 @@ class WriteRoute(Route):
         return state
 
     def release(self, f: Flight) -> None:
-        self.peers.transport.release(f.handle)
+        if not isinstance(f.handle, layer_route.LayerWrites):  # (its WRITEs are released)
+            self.peers.transport.release(f.handle)

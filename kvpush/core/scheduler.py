@@ -104,6 +104,7 @@ class PushScheduler:
         block_ids: list[list[int]],
         transfer_id: str | None = None,
         now: float | None = None,
+        layered: bool = False,
     ) -> bool:
         """A prefill ends in the step being scheduled: hold its blocks and let the worker
         push them once the step's writes are queued (``StepMeta.early``).
@@ -112,12 +113,15 @@ class PushScheduler:
         the worker keeps back its finished_sending, so the blocks are never freed while
         the request still runs. Only for requests that end in that step (P's one-token
         requests): one that ran on could be preempted with its blocks in a push.
-        False (nothing done) when the request is already held."""
+        False (nothing done) when the request is already held. ``layered``: its
+        prefill starts in this step and is pushed layer by layer (``StepMeta.layered``
+        carries it, from this step's chunk on)."""
         if request_id in self._p:
             log.warning("request %s handed over twice; ignoring", request_id)
             return False
         self._hold(request_id, block_ids, now, early=True)
-        self._out.early.append(StagedBlocks(request_id, block_ids, transfer_id))
+        if not layered:
+            self._out.early.append(StagedBlocks(request_id, block_ids, transfer_id))
         return True
 
     def handed_over(self, request_id: str) -> bool:

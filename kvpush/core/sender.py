@@ -51,6 +51,14 @@ class Sender:
     def busy(self) -> bool:
         return bool(self.writing or self.settling)
 
+    def feeding(self) -> bool:
+        """A posted leg's forward is still writing layers (core/layer_route.py)."""
+        for t in self.writing.values():
+            feed = t.preq.feed if t.preq is not None else None
+            if feed is not None and not feed.closed:
+                return True
+        return False
+
     def forget(self, t: PushTransfer) -> None:
         self.writing.pop(id(t), None)
 
@@ -93,6 +101,10 @@ class Sender:
                 return
             self.stats["reg_wrong_sender"] += 1
             self._fail(t, peer, f"registration sent by {t.sender}, not by {peer.agent}")
+            return
+        if t.preq is not None and t.preq.feed is not None and not peer.route.layered:
+            # The worker makes layer feeds only without a peer-copy hook (copy routes).
+            self._fail(t, peer, "a layer-wise push on a route that takes whole requests")
             return
         try:
             flight = peer.route.post(t, peer)

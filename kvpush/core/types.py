@@ -11,6 +11,7 @@ from typing import Any
 from kvpush.core import trace
 from kvpush.core.errors import ConfigError
 from kvpush.core.lane import MAX_SLOTS
+from kvpush.core.layers import LayerFeed
 from kvpush.core.secret import Secret, as_secret
 
 log = logging.getLogger("kvpush.transfer")
@@ -139,6 +140,24 @@ class StagedBlocks:
     # engine hand over blocks as soon as their last write is queued: a peer copy is queued
     # behind the event, a WRITE waits for it.
     after: Any = None
+    # Handed over before its forward: the layers written so far (core/layers.py); the
+    # WRITE route posts them as they come (the only route that takes such a request).
+    feed: LayerFeed | None = None
+
+
+@dataclass
+class LayerChunk:
+    """P scheduler -> P worker: a step computes part (or all) of a prompt pushed layer by
+    layer. The first chunk hands the request over (its blocks held as ``early``), each
+    step's layers become pieces of its feed (core/layers.py), the last one closes it."""
+
+    request_id: str
+    transfer_id: str | None
+    block_ids: list[list[int]]  # the request's blocks so far, per group
+    first: list[int]  # per group: the first block this step writes
+    total: list[int]  # per group: the request's blocks once its prompt is computed
+    last: bool  # the prompt's last tokens are computed in this step
+    failed: str = ""  # the engine gave the blocks up (preempted): the push fails
 
 
 @dataclass
@@ -159,6 +178,7 @@ class StepMeta:
     # D: requests aborted before they registered (no blocks of theirs to write): P may
     # free the prompt's blocks it keeps for them at once instead of at lease expiry.
     withdrawn: list[RecvRegistration] = field(default_factory=list)
+    layered: list[LayerChunk] = field(default_factory=list)  # P: this step's chunks
 
     def __bool__(self) -> bool:
         return bool(
@@ -171,6 +191,7 @@ class StepMeta:
             or self.early
             or self.confirmed
             or self.withdrawn
+            or self.layered
         )
 
 

@@ -33,6 +33,9 @@ class ConnectorOptions:
     # Words of the completion lane a decoder offers same-host copies (0: completions over
     # NIXL only); see kvpush/core/lane.py.
     lane_slots: int = 1 << 16
+    # Push a one-token prefill layer by layer while its forward runs when its prompt has
+    # at least this many tokens (0: never); only without the peer-copy hook.
+    layerwise_min_tokens: int = 0
     trusted_decoders: str = ""  # "host:port,host:port" of decoder side channels; empty: any
     # Seconds D keeps the blocks of a receive its watchdog failed while P could still be
     # writing (kvpush/core/late_writes.py); "auto": the kernel's TCP give-up time.
@@ -108,6 +111,8 @@ class ConnectorOptions:
                 hold = -1.0
             if not hold >= 0:
                 raise ConfigError("late_write_hold_s must be 'auto' or seconds >= 0")
+        if opts.layerwise_min_tokens < 0:
+            raise ConfigError("layerwise_min_tokens must be >= 0")
         if not 0 <= opts.lane_slots <= MAX_SLOTS:
             raise ConfigError(f"lane_slots must be in [0, {MAX_SLOTS}]")
         return opts

@@ -81,6 +81,7 @@ class KVPushConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 bool(ktc.is_kv_consumer),
                 tp_size,
                 int(vllm_config.parallel_config.pipeline_parallel_size),
+                self.block_size,
             )
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -115,7 +116,11 @@ class KVPushConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def save_kv_layer(
         self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
     ) -> None:
-        return None  # P pushes whole requests, at wait_for_save or once they finished
+        # vLLM calls this once the layer's attention wrote its KV: the prompts pushed layer
+        # by layer note it (their WRITEs are posted by the next tick, not here).
+        assert self.worker_side is not None
+        if self.worker_side.layers.current:
+            self.worker_side.layers.saved(layer_name)
 
     def wait_for_save(self) -> None:
         assert self.worker_side is not None

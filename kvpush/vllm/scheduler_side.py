@@ -16,6 +16,7 @@ from kvpush.core.ids import base_request_id
 from kvpush.core.scheduler import PushScheduler, SchedulerConfig
 from kvpush.core.types import RecvRegistration, StepMeta, WorkerOutput
 from kvpush.vllm.config import ConnectorOptions
+from kvpush.vllm.layer_plan import LayerPlan, prompt_tokens
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +85,7 @@ class SchedulerSide:
         is_consumer: bool,
         tp_size: int,
         pp_size: int = 1,
+        block_size: int = 16,
     ) -> None:
         self.engine_id = engine_id
         self.pp_size = pp_size
@@ -92,6 +94,7 @@ class SchedulerSide:
         self.is_consumer = is_consumer
         self.tp_size = tp_size
         self.sched = PushScheduler(SchedulerConfig(opts.lease_s, opts.watchdog_s))
+        self.layers = LayerPlan(self.sched, opts.layerwise_min_tokens, block_size)
         # P requests allocated in the step being scheduled: build_meta may hand them over.
         self._new_p: dict[str, Any] = {}
         self._traced: dict[str, str | None] = {}  # D, tracing: request id -> transfer id
@@ -151,20 +154,31 @@ class SchedulerSide:
 
     def build_meta(self, scheduler_output: Any) -> StepMeta:
         """The step's metadata; first hands over the P requests whose prefill this step
-        completes (``StepMeta.early``: the workers push them at the end of the forward)."""
+        completes (``StepMeta.early``: the workers push them at the end of the forward),
+        and the long ones whose prompt starts in it (``StepMeta.layered``: pushed layer by
+        layer as the forward writes them)."""
         new_p, self._new_p = self._new_p, {}
+        chunks = self.layers.follow(scheduler_output)
         if new_p:
             counts = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
             for new in getattr(scheduler_output, "scheduled_new_reqs", None) or ():
                 request = new_p.get(new.req_id)
-                if request is not None and self._ends_here(request, new, counts):
-                    tid = p_key(new.req_id, _params(request))
+                if request is None:
+                    continue
+                tid = p_key(new.req_id, _params(request))
+                if self.layers.takes(request, new):
+                    chunks.append(self.layers.start(new, counts.get(new.req_id, 0), tid, request))
+                elif self._ends_here(request, new, counts):
                     self.sched.hand_over(new.req_id, [list(new.block_ids[0])], tid)
-                    if trace.ON:
-                        trace.mark("p_sched.hand_over", tid, new.req_id)
+                else:
+                    continue
+                if trace.ON:
+                    trace.mark("p_sched.hand_over", tid, new.req_id)
         if trace.ON:
             self._trace_step(scheduler_output)
-        return self.sched.build_meta()
+        meta = self.sched.build_meta()
+        meta.layered = chunks
+        return meta
 
     def _trace_step(self, scheduler_output: Any) -> None:
         """Tracing: a mark per step that computes tokens or that a traced D request waits
@@ -187,9 +201,7 @@ class SchedulerSide:
     def _ends_here(request: Any, new: Any, counts: dict[str, int]) -> bool:
         """The request ends with this step: its whole prompt is computed in it and it asks
         for one token (one that ran on could be preempted while its blocks are read)."""
-        prompt = getattr(request, "num_prompt_tokens", None)
-        if prompt is None:
-            prompt = len(getattr(request, "prompt_token_ids", None) or ())
+        prompt = prompt_tokens(request)
         return (
             getattr(request, "max_tokens", None) == 1
             and len(new.block_ids) == 1  # one KV-cache group, as request_finished pushes
@@ -216,6 +228,7 @@ class SchedulerSide:
             return False, None
         status = str(getattr(request, "status", ""))
         done = status in ("FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED")
+        self.layers.end(rid)  # (a prompt pushed layer by layer that never completed)
         early = self.sched.handed_over(rid)  # its push may be reading: held, whatever it ended as
         if not early and (not block_ids or not done):
             return False, None

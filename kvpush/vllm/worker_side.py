@@ -15,6 +15,7 @@ from kvpush.core.types import StagedBlocks, StepMeta, WorkerConfig
 from kvpush.core.worker import PushWorker, make_agent_name
 from kvpush.gpu.peer_copy import make_peer_copy
 from kvpush.vllm.config import ConnectorOptions
+from kvpush.vllm.layer_feeds import LayerFeeds
 
 log = logging.getLogger(__name__)
 
@@ -140,6 +141,7 @@ class WorkerSide:
         self._idle = False  # this step schedules no tokens (KVPushMeta.idle)
         self._idle_since: float | None = None  # first of the empty steps in a row
         self._load_errors: set[int] = set()  # see take_load_errors
+        self.layers = LayerFeeds()  # prompts pushed layer by layer (vllm/layer_feeds.py)
 
     def register(
         self, kv_caches: dict[str, Any], num_blocks: int, block_size: int, mla: bool = False
@@ -166,6 +168,9 @@ class WorkerSide:
         self._cuda = layout.mem_type == "VRAM"
         transport = NixlTransport(make_agent_name(self.engine_id, self.tp_rank))
         hook = make_peer_copy(self.opts.peer_copy, list(kv_caches.values()))
+        # With the copy hook a same-host push is a whole-request copy (the layer-wise
+        # WRITE has nothing to hide there): such prompts go whole at their last step.
+        self.layers = LayerFeeds(list(kv_caches), self._cuda, whole=hook is not None)
         self.worker = PushWorker(cfg, transport, layout, peer_copy=hook)
         log.info(
             "kvpush worker %s rank %d: %d regions, side channel %s:%d, peer copy %s",
@@ -182,16 +187,22 @@ class WorkerSide:
         if trace.ON:
             self._trace_step("worker.start")
         if self.worker is not None and meta is not None:
-            if self._early:  # the last step never reached wait_for_save: its forward is queued
+            if self._early or self.layers.current:  # the last step had no wait_for_save
                 self.hand_over()
             self._early = meta.early
             self.worker.start_step(meta)
+            if meta.layered:
+                staged, whole = self.layers.start(meta.layered)
+                self._early.extend(whole)
+                self.worker.hand_over(staged)
 
     def hand_over(self) -> None:
         """At the end of the forward (``wait_for_save``): push the prefills this step
         completes. On GPUs their writes may still run: an event recorded now on the
         forward's stream goes with them, and the push is queued behind it."""
         early, self._early = self._early, []
+        if self.layers.current:
+            self.layers.end_step()
         if trace.ON:
             self._trace_step("worker.save")
         if not early or self.worker is None:

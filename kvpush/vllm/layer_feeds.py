@@ -1,0 +1,93 @@
+"""P's worker side of the layer-wise push: a ``LayerFeed`` per prompt pushed layer by
+layer, filled from vLLM's per-layer call as the forward runs.
+
+``start`` (the step's metadata, before the forward) opens the feeds of prompts that
+start in this step and hands them to the worker; ``saved`` (vLLM's ``save_kv_layer``,
+right after a layer's attention wrote its KV) appends that layer's piece to every feed of
+the step, and does nothing else: the WRITEs are posted by the next tick (the engine's
+next call, or the keeper meanwhile). ``end_step`` (``wait_for_save``) adds the layers the
+forward did not report (a CUDA graph has no per-layer calls: they go at its end) and
+closes the feeds whose prompt is complete.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from kvpush.core.layers import LayerFeed, Piece
+from kvpush.core.types import LayerChunk, StagedBlocks
+
+log = logging.getLogger(__name__)
+
+
+class LayerFeeds:
+    def __init__(self, layers: list[str] | None = None, cuda: bool = False, whole: bool = False):
+        self.layers = layers or []  # every attention layer of this worker, in cache order
+        self.cuda = cuda  # KV in GPU memory: a piece follows an event on the forward's stream
+        self.whole = whole  # (peer-copy hook) such prompts are handed over whole
+        self.feeds: dict[str, LayerFeed] = {}  # open, by request id
+        self.current: list[tuple[LayerChunk, LayerFeed]] = []  # this step's
+        self._seen: set[str] = set()  # layers reported in this step
+        self.missing = 0  # steps whose forward did not report every layer (counted)
+
+    def start(self, chunks: list[LayerChunk]) -> tuple[list[StagedBlocks], list[StagedBlocks]]:
+        """This step's chunks: (prompts to hand over now, with their feed; prompts to hand
+        over whole at the end of this forward)."""
+        staged: list[StagedBlocks] = []
+        whole: list[StagedBlocks] = []
+        for c in chunks:
+            if self.whole:
+                if c.last and not c.failed:
+                    whole.append(StagedBlocks(c.request_id, c.block_ids, c.transfer_id))
+                continue
+            feed = self.feeds.get(c.request_id)
+            if feed is None:
+                if c.failed:
+                    continue  # never handed over
+                feed = self.feeds[c.request_id] = LayerFeed(list(c.total))
+                staged.append(StagedBlocks(c.request_id, c.block_ids, c.transfer_id, feed=feed))
+            if c.failed:
+                del self.feeds[c.request_id]
+                feed.close(c.failed)
+                continue
+            self.current.append((c, feed))
+        return staged, whole
+
+    def saved(self, layer: str) -> None:
+        """One layer's KV of this step is written (queued, on a GPU)."""
+        after = self._event()
+        self._seen.add(layer)
+        for c, feed in self.current:
+            feed.add(_piece(c, layer, after))
+
+    def end_step(self) -> None:
+        """The forward ended (its writes queued): the layers it did not report, then the
+        feeds of prompts complete with this step are closed."""
+        missing = [n for n in self.layers if n not in self._seen]
+        self._seen = set()
+        current, self.current = self.current, []
+        if missing:
+            self.missing += 1
+            after = self._event()
+            for c, feed in current:
+                for name in missing:
+                    feed.add(_piece(c, name, after))
+        for c, feed in current:
+            if c.last:
+                self.feeds.pop(c.request_id, None)
+                feed.close()
+
+    def _event(self) -> Any:
+        if not self.cuda:
+            return None  # on the CPU the write is done when the call comes
+        import torch
+
+        after = torch.cuda.Event()
+        after.record()  # on the current stream: the forward's
+        return after
+
+
+def _piece(c: LayerChunk, layer: str, after: Any) -> Piece:
+    return Piece(layer, [ids[f:] for ids, f in zip(c.block_ids, c.first, strict=True)],
+                 list(c.first), after)  # fmt: skip
