@@ -52,7 +52,18 @@ BENCH_SHAPE: dict[str, Any] = {
     "rms_norm_eps": 1e-5,
     "tie_word_embeddings": False,
 }
-SHAPES = {"tiny": MODEL_SHAPE, "bench": BENCH_SHAPE}
+# For the CPU layer-wise benchmark (scripts/layer_bench.py): enough layers and compute that
+# a long prompt's prefill and its KV's trip over a slowed link both take 100s of ms
+# (KV of 12 KiB per token, float32).
+LAYERS_SHAPE: dict[str, Any] = {
+    **MODEL_SHAPE,
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 12,
+    "head_dim": 64,
+    "max_position_embeddings": 4096,
+}
+SHAPES = {"tiny": MODEL_SHAPE, "bench": BENCH_SHAPE, "layers": LAYERS_SHAPE}
 
 # Role markers as plain text, so any OpenAI chat request renders without special tokens.
 CHAT_TEMPLATE = (

@@ -29,7 +29,6 @@ class LayerFeeds:
         self.feeds: dict[str, LayerFeed] = {}  # open, by request id
         self.current: list[tuple[LayerChunk, LayerFeed]] = []  # this step's
         self._seen: set[str] = set()  # layers reported in this step
-        self.missing = 0  # steps whose forward did not report every layer (counted)
 
     def start(self, chunks: list[LayerChunk]) -> tuple[list[StagedBlocks], list[StagedBlocks]]:
         """This step's chunks: (prompts to hand over now, with their feed; prompts to hand
@@ -61,14 +60,14 @@ class LayerFeeds:
         for c, feed in self.current:
             feed.add(_piece(c, layer, after))
 
-    def end_step(self) -> None:
+    def end_step(self) -> int:
         """The forward ended (its writes queued): the layers it did not report, then the
-        feeds of prompts complete with this step are closed."""
+        feeds of prompts complete with this step are closed. Returns how many layers
+        the forward did not report."""
         missing = [n for n in self.layers if n not in self._seen]
         self._seen = set()
         current, self.current = self.current, []
         if missing:
-            self.missing += 1
             after = self._event()
             for c, feed in current:
                 for name in missing:
@@ -77,6 +76,7 @@ class LayerFeeds:
             if c.last:
                 self.feeds.pop(c.request_id, None)
                 feed.close()
+        return len(missing)
 
     def _event(self) -> Any:
         if not self.cuda:

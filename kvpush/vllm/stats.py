@@ -23,6 +23,8 @@ _DOCS = {
     "pushes_received": "Requests whose KV arrived here by push (kvpush)",
     "push_failures": "Failed pushes and receives, by cause (kvpush)",
     "early_hand_overs": "Requests this prefiller pushed at the end of their forward (kvpush)",
+    "layer_writes": "WRITEs of one layer's blocks, for prompts pushed layer by layer (kvpush)",
+    "layers_unreported": "Layers a forward did not report, pushed at its end instead (kvpush)",
     "withdrawals": "Requests aborted on D before they registered: D sent / P freed (kvpush)",
     "late_write_holds": "Receives failed by the watchdog whose blocks stayed held (kvpush)",
     "late_completions_held": "Completions that reached held blocks: late WRITEs (kvpush)",

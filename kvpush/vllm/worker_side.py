@@ -28,6 +28,8 @@ COUNTERS: dict[str, tuple[str, ...]] = {
     "pushes_sent:nixl": ("writes_done",),  # NIXL WRITE
     "pushes_received": ("recv_done",),
     "early_hand_overs": ("handed_over",),
+    "layer_writes": ("layer_writes",),  # WRITEs of one layer (layerwise_min_tokens)
+    "layers_unreported": ("layers_unreported",),  # ... posted at the forward's end instead
     "withdrawals": ("withdrawn",),
     "push_failures:nixl_write": ("write_failed",),
     "push_failures:copy": ("copy_failed",),
@@ -201,8 +203,9 @@ class WorkerSide:
         completes. On GPUs their writes may still run: an event recorded now on the
         forward's stream goes with them, and the push is queued behind it."""
         early, self._early = self._early, []
-        if self.layers.current:
-            self.layers.end_step()
+        if self.layers.current and self.worker is not None:
+            # Counted: layers without a save_kv_layer call went at the forward's end.
+            self.worker.stats["layers_unreported"] += self.layers.end_step()
         if trace.ON:
             self._trace_step("worker.save")
         if not early or self.worker is None:
