@@ -180,7 +180,12 @@ class KVPushConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def build_connector_meta(self, scheduler_output: Any) -> KVPushMeta:
         assert self.sched_side is not None
         idle = getattr(scheduler_output, "total_num_scheduled_tokens", None) == 0
-        return KVPushMeta(step=self.sched_side.build_meta(scheduler_output), idle=idle)
+        meta = KVPushMeta(step=self.sched_side.build_meta(scheduler_output), idle=idle)
+        if meta.step.layered:
+            # vLLM 0.32 calls start_load_kv after the forward unless a step has sync loads;
+            # the feeds of prompts pushed layer by layer must be open before it.
+            scheduler_output.has_sync_kv_loads = True
+        return meta
 
     def update_connector_output(self, connector_output: Any) -> None:
         assert self.sched_side is not None
