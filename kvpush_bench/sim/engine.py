@@ -14,9 +14,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvpush.core.ids import base_request_id
+from kvpush.core.layers import LayerFeed, Piece
 from kvpush.core.scheduler import PushScheduler, SchedulerConfig
 from kvpush.core.transport import Transport
-from kvpush.core.types import RecvRegistration, WorkerConfig
+from kvpush.core.types import RecvRegistration, StagedBlocks, WorkerConfig
 from kvpush.core.worker import PushWorker
 from kvpush_bench.sim.faults import FaultPlan
 from kvpush_bench.sim.ranks import RankMemory, RankShape
@@ -70,6 +71,8 @@ class SimEngine:
         self.p_reqs: dict[str, list[int]] = {}
         self.d_reqs: dict[str, tuple[list[int], str]] = {}
         self.events: list[tuple[str, str, dict[str, Any]]] = []
+        self._forward: dict[str, list[Piece]] = {}  # layer-wise prompts' pieces to come
+        self._feeds: dict[str, LayerFeed] = {}
 
     # ---- requests --------------------------------------------------------------------------
 
@@ -97,6 +100,42 @@ class SimEngine:
             self.sched.request_finished(rid, [blocks], tid)
         self.events.append(("staged", rid, {"t": time.monotonic()}))
         return True
+
+    def prefill_layered(self, rid: str, tid: str | None, n_blocks: int, chunks: int = 1) -> bool:
+        """P: a prompt pushed layer by layer: handed over now with an empty feed, then
+        each step 'writes' one region of one chunk (chunk k's blocks start with the
+        block chunk k-1 ended in, as a chunk starting mid-block), the last closes it and
+        ends the request."""
+        blocks = self._alloc(n_blocks)
+        if blocks is None:
+            return False
+        self.mem.fill(content_key(rid, tid), blocks)
+        self.p_reqs[rid] = blocks
+        self.sched.hand_over(rid, [blocks], tid, layered=True)
+        feed = LayerFeed([n_blocks])
+        self.worker.hand_over([StagedBlocks(rid, [blocks], tid, feed=feed)])
+        cuts = [n_blocks * k // chunks for k in range(chunks + 1)]
+        names = [r.name for r in self.mem.layout.regions]
+        starts = [0] + [max(0, a - 1) for a in cuts[1:-1]]  # a chunk starts mid-block
+        self._forward[rid] = [
+            Piece(name, [blocks[a:b]], [a])
+            for a, b in zip(starts, cuts[1:], strict=True)
+            for name in names
+        ]
+        self._feeds[rid] = feed
+        self.events.append(("staged", rid, {"t": time.monotonic()}))
+        return True
+
+    def _write_layers(self) -> None:
+        """One piece of every layer-wise prompt per step, as a forward writes its layers."""
+        for rid, pieces in list(self._forward.items()):
+            feed = self._feeds[rid]
+            if pieces:
+                feed.add(pieces.pop(0))
+            if not pieces:
+                feed.close()
+                del self._forward[rid], self._feeds[rid]
+                self.finish(rid)
 
     def finish(self, rid: str) -> None:
         """P: the engine ends a request it handed over early."""
@@ -148,6 +187,7 @@ class SimEngine:
     # ---- stepping --------------------------------------------------------------------------
 
     def step(self) -> None:
+        self._write_layers()
         meta = self.sched.build_meta()
         self.worker.start_step(meta)
         self.worker.hand_over(meta.early)  # as an engine does once the step's writes are queued
@@ -182,7 +222,7 @@ class SimEngine:
         return self.spec.num_blocks - len(self.free)
 
     def busy(self) -> bool:
-        return self.sched.has_pending_push_work()
+        return self.sched.has_pending_push_work() or bool(self._forward)
 
     def close(self) -> None:
         self.worker.shutdown()

@@ -64,6 +64,9 @@ def _handle(engine: SimEngine, conn: Connection, cmd: tuple[Any, ...]) -> None:
     if kind == "prefill":
         if not engine.prefill(*cmd[1:]):
             conn.send(("nospace", cmd[1], {}))
+    elif kind == "prefill_layered":
+        if not engine.prefill_layered(*cmd[1:]):
+            conn.send(("nospace", cmd[1], {}))
     elif kind == "register":
         if not engine.register(*cmd[1:]):
             conn.send(("nospace", cmd[1], {}))
