@@ -12,7 +12,10 @@ the two modes in alternating order, streamed with ``max_tokens`` 2; TTFT is the 
 (request sent to first token). Per request it also reads, from P's /metrics: the whole
 push's transfer time (``kvpush_push_seconds``: from the blocks handed over at the end of
 the forward to the WRITE done) and the prefill time (vLLM's ``request_prefill_time``).
-Share hidden = (TTFT whole - TTFT layer-wise) / transfer time of the whole push.
+Share hidden = (after whole - after layer-wise) / transfer time of the whole push, where
+"after" is a request's TTFT less its own prefill time on P (medians per size; the shared
+machine's prefill times vary by 2x between requests); ``hidden_share_ttft`` is the same
+from the TTFT medians alone.
 
     sudo PYTHONPATH=. .venv/bin/python scripts/layer_bench.py --rate 200mbit \\
         --json docs/layers/layer-bench.json --plot docs/layers/layer-bench.png
@@ -103,12 +106,22 @@ def summarize(cells: list[dict[str, Any]], sizes: list[int]) -> list[dict[str, A
         ttft = {m: med([c["ttft_s"] for c in ok[m]]) for m in MODES}
         transfer = med([c["push_s"] for c in ok["whole"] if "push_s" in c])
         prefill = med([c["prefill_s"] for c in ok["whole"] if "prefill_s" in c])
-        hidden = None
+        # TTFT less the request's own prefill on P: what the push (and D) add after the
+        # prefill, robust to the prefill's noise on this shared 2-core machine.
+        after = {
+            m: med([c["ttft_s"] - c["prefill_s"] for c in ok[m] if "prefill_s" in c])
+            for m in MODES
+        }
+        hidden = hidden_raw = None
+        if after["layer"] is not None and after["whole"] is not None and transfer:
+            hidden = (after["whole"] - after["layer"]) / transfer
         if ttft["layer"] is not None and ttft["whole"] is not None and transfer:
-            hidden = (ttft["whole"] - ttft["layer"]) / transfer
+            hidden_raw = (ttft["whole"] - ttft["layer"]) / transfer
         rows.append({
             "size": n, "ttft_layer_s": ttft["layer"], "ttft_whole_s": ttft["whole"],
+            "after_prefill_layer_s": after["layer"], "after_prefill_whole_s": after["whole"],
             "transfer_whole_s": transfer, "prefill_s": prefill, "hidden_share": hidden,
+            "hidden_share_ttft": hidden_raw,
             "failed_layer": len(got["layer"]) - len(ok["layer"]),
             "failed_whole": len(got["whole"]) - len(ok["whole"]),
             "token_mismatches": sum(

@@ -51,14 +51,6 @@ class Sender:
     def busy(self) -> bool:
         return bool(self.writing or self.settling)
 
-    def feeding(self) -> bool:
-        """A posted leg's forward is still writing layers (core/layer_route.py)."""
-        for t in self.writing.values():
-            feed = t.preq.feed if t.preq is not None else None
-            if feed is not None and not feed.closed:
-                return True
-        return False
-
     def forget(self, t: PushTransfer) -> None:
         self.writing.pop(id(t), None)
 

@@ -41,7 +41,6 @@ log = logging.getLogger(__name__)
 MAX_OBSERVED = 10_000
 LANE_TICK_S = 1e-3  # only copies' lane words awaited: the full tick at most this often
 KEEPER_S = 0.02  # the keeper polls when the engine made no call for this long
-LAYER_KEEPER_S = 0.005  # ... while a forward (no call till it ends) writes a fed leg
 
 
 def make_agent_name(engine_id: str, tp_rank: int) -> str:
@@ -120,7 +119,6 @@ class PushWorker:
         # The engine thread and the keeper take turns under this lock.
         self._lock = threading.Lock()
         self._engine_seen = time.monotonic()  # the engine's last call
-        self._keeper_s = KEEPER_S  # LAYER_KEEPER_S while a layer-wise leg is fed
         self._thread = threading.Thread(target=self._keep, name="kvpush-keeper", daemon=True)
         self._thread.start()
 
@@ -217,8 +215,8 @@ class PushWorker:
         in a long step), so registrations are read and heartbeats, leases and the
         watchdog keep their cadence. Silent while the engine calls often."""
         try:
-            while not self._stop.wait(self._keeper_s):
-                if time.monotonic() - self._engine_seen < self._keeper_s:
+            while not self._stop.wait(KEEPER_S):
+                if time.monotonic() - self._engine_seen < KEEPER_S:
                     continue
                 with self._lock:
                     if not self._stop.is_set():
@@ -304,7 +302,6 @@ class PushWorker:
             self.stats["writer_errors"] += 1
             log.exception("kvpush tick failed")
         self._next_tick = time.monotonic() + self._timeout()
-        self._keeper_s = LAYER_KEEPER_S if self.producer.sender.feeding() else KEEPER_S
 
     def _tick(self) -> None:
         p, c = self.producer, self.consumer
