@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvpush.core import wire
+from kvpush.core import trace, wire
 from kvpush.core.errors import LayoutError, PeerGoneError, TransportError
 from kvpush.core.layers import LayerFeed
 from kvpush.core.layout import KVLayout
@@ -98,6 +98,8 @@ def advance(peers: PeerTable, f: Flight) -> WriteState:
         f.error = f"completion could not be sent: {e}"
         return WriteState.ERROR
     peers.stats["writes_done"] += 1
+    if trace.ON:
+        trace.mark("p_layer.completion", lw.leg.tid, lw.leg.prid, lw.posted)
     return WriteState.DONE
 
 
@@ -121,6 +123,8 @@ def _post_ready(peers: PeerTable, f: Flight, lw: LayerWrites) -> None:
         pairs = lw.by_layer.get(piece.layer)
         if pairs:
             _write(peers, f, lw, pairs, piece.ids, piece.first)
+            if trace.ON:
+                trace.mark("p_layer.write", lw.leg.tid, lw.leg.prid, lw.posted)
 
 
 def _write(

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from kvpush.core import trace
 from kvpush.core.layers import LayerFeed, Piece
 from kvpush.core.types import LayerChunk, StagedBlocks
 
@@ -59,6 +60,8 @@ class LayerFeeds:
         self._seen.add(layer)
         for c, feed in self.current:
             feed.add(_piece(c, layer, after))
+            if trace.ON:
+                trace.mark("p_worker.layer", c.transfer_id, c.request_id, len(feed.pieces))
 
     def end_step(self) -> int:
         """The forward ended (its writes queued): the layers it did not report, then the
