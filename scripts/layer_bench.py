@@ -109,8 +109,7 @@ def summarize(cells: list[dict[str, Any]], sizes: list[int]) -> list[dict[str, A
         # TTFT less the request's own prefill on P: what the push (and D) add after the
         # prefill, robust to the prefill's noise on this shared 2-core machine.
         after = {
-            m: med([c["ttft_s"] - c["prefill_s"] for c in ok[m] if "prefill_s" in c])
-            for m in MODES
+            m: med([c["ttft_s"] - c["prefill_s"] for c in ok[m] if "prefill_s" in c]) for m in MODES
         }
         hidden = hidden_raw = None
         if after["layer"] is not None and after["whole"] is not None and transfer:
