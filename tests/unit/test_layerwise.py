@@ -230,3 +230,27 @@ def test_feed_blocks_follow_the_pieces() -> None:
     feed.add(Piece("a", [[7, 8, 9]], [0]))
     feed.add(Piece("a", [[9, 3]], [2]))
     assert feed.blocks() == [[7, 8, 9, 3]]
+
+
+def test_a_region_of_several_layers_goes_whole_once_the_feed_closes(
+    pair_factory: Callable[..., Pair],
+) -> None:
+    """Packed rows hold every layer of a block: no WRITE can carry one layer alone."""
+    from kvpush_bench.sim.ranks import RankShape
+
+    pair = pair_factory(shape=RankShape(mla=True, packed=True))
+    pair.register(DRID, TID, 3)
+    pair.until(lambda: len(pair.p.worker.producer.pending_regs) == 1)
+    blocks, feed = hand_over(pair, 3)
+    members = pair.p.mem.layout.regions[0].members
+    assert len(members) > 1
+    for name in members:
+        feed.add(Piece(name, [blocks], [0]))
+    for _ in range(10):
+        pair.step()
+    assert stats(pair).get("layer_writes", 0) == 0  # the feed is open: more may come
+    feed.close()
+    pair.until(lambda: recv_ok(pair, DRID), what="verified receive")
+    assert stats(pair)["layer_writes"] == 1
+    pair.p.finish(RID)
+    pair.settle()

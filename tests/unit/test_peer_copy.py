@@ -511,3 +511,24 @@ def test_blocks_handed_over_before_their_writes_are_read_after_them(pair: Any, c
     st = pr.p.worker.stats
     assert (st["copies"], st["writes"]) == ((2, 0) if copy else (0, 2))
     assert p_hook.afters == (2 if copy else 0)
+
+
+def test_a_layer_wise_leg_on_the_copy_route_fails_once(pair: Any) -> None:
+    """The connector makes no feed where the copy hook is (prompts go whole there); a
+    feed that reaches a copy peer anyway fails its leg at once, with one PUSH_FAIL."""
+    from kvpush.core.layers import LayerFeed
+    from kvpush.core.types import StagedBlocks
+
+    pr = pair(MemmovePeerCopy("h1"), MemmovePeerCopy("h1"))
+    pr.register("r0", "r0", 2)
+    pr.until(lambda: pr.p.worker.snapshot()["pending_registrations"] > 0, 30)
+    blocks = pr.p._alloc(2)
+    pr.p.p_reqs["r0"] = blocks
+    pr.p.sched.hand_over("r0", [blocks], "r0", layered=True)
+    pr.p.worker.hand_over([StagedBlocks("r0", [blocks], "r0", feed=LayerFeed([2]))])
+    pr.until(lambda: any(k == "failed" for k, r, _ in pr.d_events if r == "r0"), 30, "D failed")
+    reasons = [i["reason"] for k, r, i in pr.d_events if k == "failed" and r == "r0"]
+    assert len(reasons) == 1 and "layer-wise" in reasons[0]
+    assert pr.p.worker.stats["copies"] == 0 and pr.p.worker.stats.get("layer_writes", 0) == 0
+    pr.p.finish("r0")
+    pr.until(lambda: pr.p.held_blocks() == 0, 30, "P to free its blocks")
