@@ -133,10 +133,16 @@ class Pair(ABC):
         return str(self.spec.get("device") or default_device())
 
     def _server(
-        self, name: str, kv: dict[str, Any] | None, core: int, env: dict[str, str]
+        self,
+        name: str,
+        kv: dict[str, Any] | None,
+        core: int,
+        env: dict[str, str],
+        args: list[str] | None = None,
     ) -> VllmServer:
         extra = dict(self.spec)
         env = {**extra.pop("env", {}), **env}
+        extra["extra_args"] = [*extra.get("extra_args", []), *(args or [])]
         spec = ServerSpec(
             name, self.model, kv_config=kv, core=core, env=env, log_dir=self.log_dir, **extra
         )
@@ -185,13 +191,14 @@ class PlainPair(Pair):
 class KvpushPair(Pair):
     name = "kvpush"
     options: dict[str, Any] = {}  # kv_connector_extra_config keys (read only)
+    decode_args: list[str] = []  # further vLLM flags for the decoder only (read only)
 
     def _launch(self) -> list[Proc]:
         side, opts = free_port(), self.options
         p_config = kvpush_config("kv_producer", "prefill", side, **opts)
         self.p = self._server("prefill", p_config, 0, {})
         d_config = kvpush_config("kv_consumer", "decode", free_port(), **opts)
-        self.d = self._server("decode", d_config, 1, {})
+        self.d = self._server("decode", d_config, 1, {}, self.decode_args)
         env = dict(self.spec.get("env", {}))
         self.router = RouterProc(self.p.url, self.d.url, f"127.0.0.1:{side}", self.log_dir, env=env)
         return [self.p, self.d, self.router]

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 import threading
 import time
@@ -67,8 +68,22 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         help="an A/B contender kvpush@LABEL whose P and D import kvpush from DIR (a source "
         "tree, e.g. a git worktree of another commit); name it in --configs",
     )
+    p.add_argument(
+        "--decode-args",
+        action="append",
+        default=[],
+        metavar="LABEL=FLAGS",
+        help="a contender kvpush@LABEL whose decoder gets these further vLLM flags (e.g. "
+        "sync='--no-async-scheduling'); with a --variant of the same label, from that tree",
+    )
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    args.d_args = {}  # label -> further vLLM flags of that variant's decoder
+    for v in args.decode_args:
+        label, sep, flags = v.partition("=")
+        if not (sep and label):
+            p.error(f"--decode-args {v!r}: expected LABEL=FLAGS")
+        args.d_args[label] = shlex.split(flags)
     args.trees = {}  # label -> source tree of each --variant
     for v in args.variant:
         label, sep, tree = v.partition("=")
@@ -77,9 +92,15 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         args.trees[label] = str(Path(tree).resolve())
     for cfg in args.configs.split(","):
         label = cfg.partition("@")[2] if cfg.startswith("kvpush@") else ""
-        if label and label not in args.trees:
-            p.error(f"{cfg} in --configs: no --variant {label}=DIR")
+        if label and label not in args.trees and label not in args.d_args:
+            p.error(f"{cfg} in --configs: no --variant {label}=DIR or --decode-args {label}=...")
     return args
+
+
+def _variant_label(args: argparse.Namespace, label: str) -> str:
+    tree = args.trees.get(label)
+    flags = " ".join(args.d_args.get(label, []))
+    return "kvpush" + (f" as in {tree}" if tree else "") + (f", decoder {flags}" if flags else "")
 
 
 def _ints(s: str) -> tuple[int, ...]:
@@ -114,7 +135,8 @@ def start_all(args: argparse.Namespace, model: str, configs: list[str]) -> dict[
             if args.trace:
                 env["KVPUSH_TRACE_DIR"] = str(out / "trace" / cfg)
             label = cfg.partition("@")[2]
-            if label:
+            pair.decode_args = args.d_args.get(label, [])  # type: ignore[attr-defined]
+            if label in args.trees:
                 tree = args.trees[label]
                 env["PYTHONPATH"] = os.pathsep.join([tree, os.environ.get("PYTHONPATH", "")])
                 env["PYTHONSAFEPATH"] = "1"  # else `python -m` puts the cwd's kvpush first
@@ -218,7 +240,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             pair.stop()
     result = aggregate(samples, configs, sizes, concs)
     result["labels"] = {
-        c: LABELS.get(c) or f"kvpush as in {args.trees[c.partition('@')[2]]}" for c in configs
+        c: LABELS.get(c) or _variant_label(args, c.partition("@")[2]) for c in configs
     }
     result["options"] = {k: v for k, v in vars(args).items()}
     result["samples"] = records

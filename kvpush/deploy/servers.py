@@ -107,6 +107,7 @@ class ServerSpec:
     # A command the server runs under, e.g. one that enters a test host's network
     # namespace (tests/e2e/hosts.py); empty: run it directly.
     prefix: list[str] = field(default_factory=list)
+    extra_args: list[str] = field(default_factory=list)  # further vLLM server flags
 
     def __post_init__(self) -> None:
         self.device = self.device or default_device()
@@ -214,6 +215,7 @@ class VllmServer(Proc):
         ]
         if spec.kv_config is not None:
             argv += ["--kv-transfer-config", json.dumps(spec.kv_config)]
+        argv += spec.extra_args
         env = spec.environ()
         log_dir = Path(spec.log_dir)
         log_dir.mkdir(parents=True, exist_ok=True)

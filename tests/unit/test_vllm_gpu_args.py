@@ -21,3 +21,39 @@ def test_a_malformed_or_missing_variant_is_refused(bad: list[str]) -> None:
     with pytest.raises(SystemExit) as e:
         parse(["--out", "x", *bad])
     assert e.value.code == 2
+
+
+def test_decode_args_make_a_variant_of_this_tree() -> None:
+    args = parse(
+        [
+            "--out",
+            "x",
+            "--configs",
+            "plain,kvpush@sync",
+            "--decode-args",
+            "sync=--no-async-scheduling --max-num-seqs 4",
+        ]
+    )
+    assert args.d_args == {"sync": ["--no-async-scheduling", "--max-num-seqs", "4"]}
+    assert args.trees == {}
+
+
+def test_decode_args_reach_only_the_decoders_command_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import kvpush_bench.pairs as pairs
+    from kvpush.deploy.servers import ServerSpec
+
+    started: dict[str, list[str]] = {}
+
+    class FakeServer:
+        def __init__(self, spec: ServerSpec) -> None:
+            started[spec.name] = list(spec.extra_args)
+            self.url = f"http://{spec.name}"
+
+    monkeypatch.setattr(pairs, "VllmServer", FakeServer)
+    monkeypatch.setattr(pairs, "RouterProc", lambda *a, **k: None)
+    pair = pairs.make_pair("kvpush@sync", "MODEL", str(tmp_path), device="cpu")
+    pair.decode_args = ["--no-async-scheduling"]  # type: ignore[attr-defined]
+    pair._launch()
+    assert started == {"prefill": [], "decode": ["--no-async-scheduling"]}
