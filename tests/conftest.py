@@ -70,3 +70,18 @@ def wait_no_kv_in_use(servers: Sequence[Any], timeout: float = 30.0) -> None:
         if time.monotonic() > deadline:
             pytest.fail(f"KV cache still in use after {timeout:g}s: {usage}")
         time.sleep(0.2)
+
+
+def plain_reference(plain: Any, model: str, cases: Sequence[Any]) -> dict[str, Any]:
+    """One plain vLLM server's answers to ``cases`` (objects with ``name`` and
+    ``send(url, model)``), the reference a P/D pair must match; the server is stopped
+    afterwards whatever happens, and every answer must be a success."""
+    from kvpush.deploy.servers import wait_healthy
+
+    try:
+        wait_healthy([plain])
+        reference = {c.name: c.send(plain.url, model) for c in cases}
+    finally:
+        plain.stop()
+    assert all(r.ok for r in reference.values()), reference
+    return reference

@@ -22,7 +22,7 @@ from kvpush.deploy.servers import (
     wait_healthy,
 )
 from kvpush.tiny_model import make_tiny_model
-from tests.conftest import wait_until
+from tests.conftest import plain_reference, wait_until
 from tests.e2e.hosts import HostPair
 from tests.e2e.test_cross_host import (
     BLOCK,
@@ -72,10 +72,7 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
         plain = VllmServer(ServerSpec("plain", model, core=1, log_dir=work))
         router = RouterProc(p.url, d.url, f"{hosts.p.link}:{side_port(p)}", work)
         try:
-            wait_healthy([plain])
-            reference = {c.name: c.send(plain.url, model) for c in CASES}
-            plain.stop()
-            assert all(r.ok for r in reference.values()), reference
+            reference = plain_reference(plain, model, CASES)
             hosts.limit("100mbit")
             wait_healthy([p, d, router])
             yield {"model": model, "hosts": hosts, "p": p, "d": d, "router": router,

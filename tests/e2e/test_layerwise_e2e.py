@@ -21,7 +21,7 @@ from kvpush.deploy.servers import (
     wait_healthy,
 )
 from kvpush.tiny_model import make_tiny_model
-from tests.conftest import wait_no_kv_in_use, wait_until
+from tests.conftest import plain_reference, wait_no_kv_in_use, wait_until
 from tests.e2e.test_vllm_e2e import BLOCK, BYTES_PER_BLOCK, Case, ids, same
 
 pytestmark = pytest.mark.e2e
@@ -43,12 +43,7 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     work = str(tmp_path_factory.mktemp("layerwise"))
     model = make_tiny_model(work + "/model")
     plain = VllmServer(ServerSpec("plain", model, core=0, log_dir=work))
-    try:
-        wait_healthy([plain])
-        reference = {c.name: c.send(plain.url, model) for c in CASES + CONCURRENT}
-    finally:
-        plain.stop()
-    assert all(r.ok for r in reference.values()), reference
+    reference = plain_reference(plain, model, CASES + CONCURRENT)
     side = free_port()
     p_config = kvpush_config("kv_producer", "prefill", side, layerwise_min_tokens=1)
     d_config = kvpush_config("kv_consumer", "decode", free_port())

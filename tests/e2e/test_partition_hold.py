@@ -15,7 +15,7 @@ import pytest
 
 from kvpush.deploy.servers import RouterProc, ServerSpec, VllmServer, metric, wait_healthy
 from kvpush.tiny_model import make_tiny_model
-from tests.conftest import wait_until
+from tests.conftest import plain_reference, wait_until
 from tests.e2e.hosts import HostPair
 from tests.e2e.test_cross_host import (
     AFTER,
@@ -52,10 +52,7 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
         router = RouterProc(p.url, d.url, side, work, extra=["--timeout", str(ROUTER_TIMEOUT)])
         procs = [router, d, p]
         try:
-            wait_healthy([plain])
-            reference = {c.name: c.send(plain.url, model) for c in SINGLE[:2] + AFTER}
-            plain.stop()
-            assert all(r.ok for r in reference.values()), reference
+            reference = plain_reference(plain, model, SINGLE[:2] + AFTER)
             wait_healthy([p, d, router])
             yield Env(model, hosts, p, d, router, reference)
         finally:

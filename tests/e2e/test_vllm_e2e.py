@@ -12,9 +12,9 @@ import pytest
 
 from kvpush.deploy.client import Reply, request
 from kvpush.deploy.demo import Cluster, make_prompts
-from kvpush.deploy.servers import ServerSpec, VllmServer, metric, wait_healthy
+from kvpush.deploy.servers import ServerSpec, VllmServer, metric
 from kvpush.tiny_model import make_tiny_model
-from tests.conftest import wait_no_kv_in_use, wait_until
+from tests.conftest import plain_reference, wait_no_kv_in_use, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -55,12 +55,7 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     work = tmp_path_factory.mktemp("e2e")
     model = make_tiny_model(str(work / "model"))
     plain = VllmServer(ServerSpec("plain", model, core=0, log_dir=str(work)))
-    try:
-        wait_healthy([plain])
-        reference = {c.name: c.send(plain.url, model) for c in SINGLE + CONCURRENT}
-    finally:
-        plain.stop()
-    assert all(r.ok for r in reference.values()), reference
+    reference = plain_reference(plain, model, SINGLE + CONCURRENT)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("KVPUSH_SHARED_SECRET", SECRET)  # the servers inherit the environment
         cluster = Cluster(model, str(work))

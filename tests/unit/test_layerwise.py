@@ -5,11 +5,9 @@ cancels and given-up prompts end the push once, after the WRITEs already posted.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable
 
 import numpy as np
-import pytest
 
 from kvpush.core.layers import LayerFeed, Piece
 from kvpush.core.types import StagedBlocks
@@ -17,19 +15,6 @@ from kvpush_bench.sim.engine import content_key
 from tests.unit.test_push_states import Pair, recv_ok
 
 RID, TID, DRID = "p1", "t1", "d1"
-
-
-@pytest.fixture
-def pair_factory() -> Iterator[Callable[..., Pair]]:
-    made: list[Pair] = []
-
-    def make(**kw: Any) -> Pair:
-        made.append(Pair(**kw))
-        return made[-1]
-
-    yield make
-    for p in made:
-        p.close()
 
 
 def hand_over(pair: Pair, n: int, total: int | None = None) -> tuple[list[int], LayerFeed]:
@@ -44,6 +29,15 @@ def hand_over(pair: Pair, n: int, total: int | None = None) -> tuple[list[int], 
     feed = LayerFeed([total or n])
     p.worker.hand_over([StagedBlocks(RID, [blocks], TID, feed=feed)])
     return blocks, feed
+
+
+def registered_then_handed_over(
+    pair: Pair, d_blocks: int, p_blocks: int
+) -> tuple[list[int], LayerFeed]:
+    """D registers ``d_blocks`` blocks first, then P's prefill of ``p_blocks`` starts."""
+    pair.register(DRID, TID, d_blocks)
+    pair.until(lambda: len(pair.p.worker.producer.pending_regs) == 1)
+    return hand_over(pair, p_blocks)
 
 
 def names(pair: Pair) -> list[str]:
@@ -67,9 +61,7 @@ def test_layers_land_as_written_and_d_completes_once_after_the_last(
     pair_factory: Callable[..., Pair],
 ) -> None:
     pair = pair_factory()
-    pair.register(DRID, TID, 4)
-    pair.until(lambda: len(pair.p.worker.producer.pending_regs) == 1)
-    blocks, feed = hand_over(pair, 4)
+    blocks, feed = registered_then_handed_over(pair, 4, 4)
     layers = names(pair)
     dst = d_blocks(pair)
     for i, name in enumerate(layers):
@@ -115,9 +107,7 @@ def test_a_late_registration_catches_up_then_follows(pair_factory: Callable[...,
 def test_each_chunk_sends_the_blocks_it_wrote(pair_factory: Callable[..., Pair]) -> None:
     """Chunk 1 writes blocks 0-2 (block 2 half full), chunk 2 blocks 2-4."""
     pair = pair_factory()
-    pair.register(DRID, TID, 5)
-    pair.until(lambda: len(pair.p.worker.producer.pending_regs) == 1)
-    blocks, feed = hand_over(pair, 5)
+    blocks, feed = registered_then_handed_over(pair, 5, 5)
     dst = d_blocks(pair)
     layers = names(pair)
     for name in layers:
@@ -137,9 +127,8 @@ def test_d_with_a_cached_prefix_gets_the_tail_layer_by_layer(
     pair_factory: Callable[..., Pair],
 ) -> None:
     pair = pair_factory()
-    pair.register(DRID, TID, 2)  # D holds the first 3 of P's 5 blocks
-    pair.until(lambda: len(pair.p.worker.producer.pending_regs) == 1)
-    blocks, feed = hand_over(pair, 5)
+    # D holds the first 3 of P's 5 blocks
+    blocks, feed = registered_then_handed_over(pair, 2, 5)
     dst = d_blocks(pair)
     for name in names(pair):
         feed.add(Piece(name, [blocks[:3]], [0]))  # only block 2 is D's ...
@@ -155,10 +144,8 @@ def test_a_failed_layer_fails_the_push_once_after_the_posted_ones(
     pair_factory: Callable[..., Pair],
 ) -> None:
     pair = pair_factory()
-    pair.register(DRID, TID, 2)
-    pair.until(lambda: len(pair.p.worker.producer.pending_regs) == 1)
     pair.fabric.hold_writes = True
-    blocks, feed = hand_over(pair, 2)
+    blocks, feed = registered_then_handed_over(pair, 2, 2)
     layers = names(pair)
     feed.add(Piece(layers[0], [blocks], [0]))
     feed.add(Piece(layers[1], [blocks], [0]))
@@ -186,10 +173,8 @@ def test_a_failed_layer_fails_the_push_once_after_the_posted_ones(
 
 def test_a_cancel_stops_further_layers(pair_factory: Callable[..., Pair]) -> None:
     pair = pair_factory()
-    pair.register(DRID, TID, 3)
-    pair.until(lambda: len(pair.p.worker.producer.pending_regs) == 1)
     pair.fabric.hold_writes = True
-    blocks, feed = hand_over(pair, 3)
+    blocks, feed = registered_then_handed_over(pair, 3, 3)
     layers = names(pair)
     feed.add(Piece(layers[0], [blocks], [0]))
     pair.until(lambda: len(pair.fabric.writes) == 1, what="one layer in flight")
@@ -212,9 +197,7 @@ def test_a_cancel_stops_further_layers(pair_factory: Callable[..., Pair]) -> Non
 
 def test_a_prompt_given_up_fails_its_push(pair_factory: Callable[..., Pair]) -> None:
     pair = pair_factory()
-    pair.register(DRID, TID, 2)
-    pair.until(lambda: len(pair.p.worker.producer.pending_regs) == 1)
-    blocks, feed = hand_over(pair, 2)
+    blocks, feed = registered_then_handed_over(pair, 2, 2)
     feed.add(Piece(names(pair)[0], [blocks], [0]))
     pair.until(lambda: stats(pair).get("layer_writes", 0) == 1)
     feed.close("preempted")
@@ -239,9 +222,7 @@ def test_a_region_of_several_layers_goes_whole_once_the_feed_closes(
     from kvpush_bench.sim.ranks import RankShape
 
     pair = pair_factory(shape=RankShape(mla=True, packed=True))
-    pair.register(DRID, TID, 3)
-    pair.until(lambda: len(pair.p.worker.producer.pending_regs) == 1)
-    blocks, feed = hand_over(pair, 3)
+    blocks, feed = registered_then_handed_over(pair, 3, 3)
     members = pair.p.mem.layout.regions[0].members
     assert len(members) > 1
     for name in members:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -84,19 +84,6 @@ class Pair:
     def close(self) -> None:
         self.p.close()
         self.d.close()
-
-
-@pytest.fixture
-def pair_factory() -> Iterator[Callable[..., Pair]]:
-    made: list[Pair] = []
-
-    def make(**kw: Any) -> Pair:
-        made.append(Pair(**kw))
-        return made[-1]
-
-    yield make
-    for p in made:
-        p.close()
 
 
 def recv_ok(pair: Pair, rid: str) -> bool:
