@@ -28,7 +28,9 @@ class LayerFeeds:
         self.cuda = cuda  # KV in GPU memory: a piece follows an event on the forward's stream
         self.whole = whole  # (peer-copy hook) such prompts are handed over whole
         self.feeds: dict[str, LayerFeed] = {}  # open, by request id
-        self.current: list[tuple[LayerChunk, LayerFeed]] = []  # this step's
+        # This step's chunks, each with its feed and the blocks it writes (one list for
+        # all of its layers' pieces).
+        self.current: list[tuple[LayerChunk, LayerFeed, list[list[int]]]] = []
         self._seen: set[str] = set()  # layers reported in this step
 
     def start(self, chunks: list[LayerChunk]) -> tuple[list[StagedBlocks], list[StagedBlocks]]:
@@ -51,15 +53,16 @@ class LayerFeeds:
                 del self.feeds[c.request_id]
                 feed.close(c.failed)
                 continue
-            self.current.append((c, feed))
+            written = [ids[f:] for ids, f in zip(c.block_ids, c.first, strict=True)]
+            self.current.append((c, feed, written))
         return staged, whole
 
     def saved(self, layer: str) -> None:
         """One layer's KV of this step is written (queued, on a GPU)."""
-        after = self._event()
+        after = forward_event(self.cuda)
         self._seen.add(layer)
-        for c, feed in self.current:
-            feed.add(_piece(c, layer, after))
+        for c, feed, written in self.current:
+            feed.add(Piece(layer, written, c.first, after))
             if trace.ON:
                 trace.mark("p_worker.layer", c.transfer_id, c.request_id, len(feed.pieces))
 
@@ -71,26 +74,25 @@ class LayerFeeds:
         self._seen = set()
         current, self.current = self.current, []
         if missing:
-            after = self._event()
-            for c, feed in current:
+            after = forward_event(self.cuda)
+            for c, feed, written in current:
                 for name in missing:
-                    feed.add(_piece(c, name, after))
-        for c, feed in current:
+                    feed.add(Piece(name, written, c.first, after))
+        for c, feed, _ in current:
             if c.last:
                 self.feeds.pop(c.request_id, None)
                 feed.close()
         return len(missing)
 
-    def _event(self) -> Any:
-        if not self.cuda:
-            return None  # on the CPU the write is done when the call comes
-        import torch
 
-        after = torch.cuda.Event()
-        after.record()  # on the current stream: the forward's
-        return after
+def forward_event(cuda: bool) -> Any:
+    """An event recorded now on the current stream (the forward's): the bytes its work
+    queued so far are final once it is done. None on the CPU, where a write is done when
+    its call returns."""
+    if not cuda:
+        return None
+    import torch
 
-
-def _piece(c: LayerChunk, layer: str, after: Any) -> Piece:
-    return Piece(layer, [ids[f:] for ids, f in zip(c.block_ids, c.first, strict=True)],
-                 list(c.first), after)  # fmt: skip
+    after = torch.cuda.Event()
+    after.record()
+    return after

@@ -15,7 +15,7 @@ from kvpush.core.types import StagedBlocks, StepMeta, WorkerConfig
 from kvpush.core.worker import PushWorker, make_agent_name
 from kvpush.gpu.peer_copy import make_peer_copy
 from kvpush.vllm.config import ConnectorOptions
-from kvpush.vllm.layer_feeds import LayerFeeds
+from kvpush.vllm.layer_feeds import LayerFeeds, forward_event
 
 log = logging.getLogger(__name__)
 
@@ -210,12 +210,7 @@ class WorkerSide:
             self._trace_step("worker.save")
         if not early or self.worker is None:
             return
-        after = None
-        if self._cuda:
-            import torch
-
-            after = torch.cuda.Event()
-            after.record()  # on the current stream: the forward's
+        after = forward_event(self._cuda)
         if trace.ON:
             for s in early:
                 trace.mark("p_worker.save", s.transfer_id, s.request_id)
