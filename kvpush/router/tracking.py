@@ -79,7 +79,10 @@ class Interrupt:
     request can still go again): cancels it once the prefill leg failed (a refusal only
     after `grace` seconds, for D's own refusal to come: both validate the same fields),
     or once P answered and then left the pool by its health probes (a P that answered
-    and died never pushes: sent again at once instead of after D's watchdog). The wait
+    and died never pushes: sent again at once instead of after D's watchdog). Leaving
+    means going from healthy to not: a P the pool had not let in when the request chose
+    it (none was available, or its probes have not passed yet since start-up) is not
+    judged by its health until it has been healthy once. The wait
     runs in the handler's own task: a task per wait, and asyncio.wait on it, put two
     more loop turns between D's first chunk and the client."""
 
@@ -90,6 +93,7 @@ class Interrupt:
         self.reason: BaseException | None = None
         self.closed = False
         self.handle: asyncio.TimerHandle | None = None
+        self.p_was_in = p is not None and p.healthy  # P in the pool at some check
         if p is not None:
             self.handle = self.loop.call_later(LOST_CHECK_S, self._check_lost)
         prefill.add_done_callback(self._prefill_done)
@@ -107,7 +111,8 @@ class Interrupt:
 
     def _check_lost(self) -> None:
         assert self.p is not None
-        if succeeded(self.prefill) and not self.p.healthy:
+        self.p_was_in = self.p_was_in or self.p.healthy
+        if succeeded(self.prefill) and self.p_was_in and not self.p.healthy:
             why = f"prefiller {self.p.url} left the pool after answering, before D had the KV"
             self._fire(legs.LegError("prefill", "connection", why))
         else:

@@ -17,7 +17,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from kvpush.router import RouterConfig, make_app
+from kvpush.router import RouterConfig, make_app, tracking
 from kvpush.router.pool import Breaker, InstanceSpec, Policy
 from tests.unit.test_router import DEADLINE, serve
 
@@ -360,6 +360,32 @@ def test_a_stream_that_begins_with_an_error_is_sent_again_unless_it_is_the_last_
                 pass
             status, lines = await complete(cl, url, stream=True)
             assert status == 200 and lines == ['data: {"error": {"code": 500}}', "data: [DONE]"]
+
+    asyncio.run(main())
+
+
+def test_a_stream_on_a_prefiller_not_yet_in_the_pool_is_not_sent_again() -> None:
+    """P's probes have not let it in (as right after start-up), so the only P is chosen
+    anyway; it answers and pushes. It never left the pool, so D's slow answer must not be
+    taken for a lost push (the demo once failed 2 of 8 requests so)."""
+
+    async def main() -> None:
+        async with pools(1, 1) as (url, cl, ps, ds):
+            ps[0].health = 500
+
+            async def p0_out() -> bool:
+                return not (await instances(cl, url))[ps[0].url]["healthy"]
+
+            await until(p0_out, "p0 out")
+            ds[0].hold = asyncio.Event()
+            sent = asyncio.create_task(complete(cl, url, stream=True))
+            await until(lambda: _true(len(ds[0].hits) == 1 and len(ps[0].hits) == 1), "legs")
+            # Several of the router's lost-P checks pass while D holds its answer.
+            await asyncio.sleep(4 * tracking.LOST_CHECK_S)
+            ds[0].hold.set()
+            status, events = await sent
+            assert status == 200 and events[0] == 'data: {"by": "d0"}', events
+            assert len(ps[0].hits) == 1 and len(ds[0].hits) == 1  # not sent again
 
     asyncio.run(main())
 
