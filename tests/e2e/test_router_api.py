@@ -177,6 +177,9 @@ def test_client_hang_up_cancels_both_legs(env: dict[str, Any], tmp_path: Path) -
     c: Cluster = env["cluster"]
     body = {"model": env["model"], "prompt": PROMPT, "max_tokens": 400, "ignore_eos": True}
     body.update(stream=True, temperature=0)
+    # vLLM records a finished request's counters with the scheduler's gauges, after the
+    # answer may have left: once D shows idle, earlier tests' requests are all counted.
+    _wait_idle(c, "before the test")
     before = metric(c.d.url, FINISHED), metric(c.d.url, GENERATED)
 
     def freeze() -> None:
