@@ -29,7 +29,8 @@ pytest.importorskip("vllm")
 from kvpush.deploy.client import Reply, request  # noqa: E402
 from kvpush.deploy.servers import metric  # noqa: E402
 from kvpush.tiny_model import make_tiny_model  # noqa: E402
-from kvpush_bench.pairs import make_pair  # noqa: E402
+from kvpush_bench.pairs import KvpushPair, make_pair  # noqa: E402
+from tests.conftest import wait_until  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 
@@ -43,6 +44,14 @@ SPEC = {
     "kv_cache_bytes": 4 << 30,
     "cuda_graphs": True,  # as users run vLLM: decode steps as CUDA graphs
 }
+# The layer-wise push over NIXL (issue 23): every prompt layer by layer, no CUDA IPC copy
+# (which would take same-host pushes whole), in chunks of 2,048 tokens on P (the longer
+# prompts span several steps).
+LAYERED = {"layerwise_min_tokens": 1, "peer_copy": "off"}
+LAYERED_CHUNK = 2048
+LAYERS = 16  # the bench model's
+LAYER_WRITES = "vllm:kvpush_layer_writes_total"
+PAIRS = ("kvpush", "layered")
 # Random weights give flat logits: a batch of another size (its own kernels and CUDA
 # graph) can flip a greedy choice between two tokens whose logprobs lie this close.
 NEAR_TIE = 0.05
@@ -153,6 +162,10 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
         str(work / "model"), shape="bench"
     )
     pairs = {n: make_pair(n, model, str(work / n), **SPEC) for n in ("plain", "kvpush", "pull")}
+    layered = KvpushPair(model, str(work / "layered"), **SPEC)
+    layered.spec["max_num_batched_tokens"] = LAYERED_CHUNK
+    layered.name, layered.options = "layered", LAYERED
+    pairs["layered"] = layered
     with ThreadPoolExecutor(len(pairs)) as pool:
         list(pool.map(lambda p: p.start(timeout=420), pairs.values()))
     try:
@@ -183,17 +196,25 @@ def _check(servers: dict[str, Any], case: Case, got: Reply, exact: bool = True) 
     return mine == ref
 
 
+@pytest.mark.parametrize("pair", PAIRS)
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
-def test_token_identical_to_nixl_connector(servers: dict[str, Any], case: Case) -> None:
-    kv = servers["kvpush"]
+def test_token_identical_to_nixl_connector(servers: dict[str, Any], case: Case, pair: str) -> None:
+    kv = servers[pair]
     before = metric(kv.d.url, "vllm:kvpush_pushes_received_total")
+    writes = metric(kv.p.url, LAYER_WRITES)
     got = send(kv.router.url, servers["model"], case)
     _check(servers, case, got)
     assert metric(kv.d.url, "vllm:kvpush_pushes_received_total") == before + 1
+    if pair == "layered":  # one WRITE per layer and chunk
+        want = LAYERS * -(-got.prompt_tokens // LAYERED_CHUNK)
+        # vLLM's counters follow its engine's output: poll them.
+        wait_until(lambda: metric(kv.p.url, LAYER_WRITES) - writes >= want, 10.0, what="WRITEs")
+        assert metric(kv.p.url, LAYER_WRITES) - writes == want
 
 
-def test_16_concurrent(servers: dict[str, Any]) -> None:
-    kv = servers["kvpush"]
+@pytest.mark.parametrize("pair", PAIRS)
+def test_16_concurrent(servers: dict[str, Any], pair: str) -> None:
+    kv = servers[pair]
     with ThreadPoolExecutor(16) as pool:
         got = list(pool.map(lambda c: send(kv.router.url, servers["model"], c), CONCURRENT))
     # Batched on D, compared with NixlConnector one at a time: equal up to a near tie
@@ -204,8 +225,9 @@ def test_16_concurrent(servers: dict[str, Any]) -> None:
     assert sum(equal) >= len(CONCURRENT) // 2, equal
 
 
-def test_nothing_held_and_metrics_true(servers: dict[str, Any]) -> None:
-    kv = servers["kvpush"]
+@pytest.mark.parametrize("pair", PAIRS)
+def test_nothing_held_and_metrics_true(servers: dict[str, Any], pair: str) -> None:
+    kv = servers[pair]
     deadline = time.monotonic() + 30
     while True:
         usage = [metric(s.url, "vllm:kv_cache_usage_perc") for s in (kv.p, kv.d)]
@@ -220,3 +242,6 @@ def test_nothing_held_and_metrics_true(servers: dict[str, Any]) -> None:
         kv.d.url, "vllm:kvpush_bytes_received_total"
     )
     assert metric(kv.p.url, "vllm:kvpush_push_failures_total") == 0
+    if pair == "layered":
+        # Every layer went as its attention wrote it, none at the forward's end.
+        assert metric(kv.p.url, "vllm:kvpush_layers_unreported_total") == 0
