@@ -158,6 +158,10 @@ class LayerChunk:
     total: list[int]  # per group: the request's blocks once its prompt is computed
     last: bool  # the prompt's last tokens are computed in this step
     failed: str = ""  # the engine gave the blocks up (preempted): the push fails
+    # Per group: the block after the last one this step fills; empty: every block so far.
+    # A block the step leaves part-filled goes with the next chunk, whole: written twice,
+    # the earlier WRITE (not ordered with the later one) could land last with stale bytes.
+    upto: list[int] = field(default_factory=list)
 
 
 @dataclass

@@ -53,7 +53,8 @@ class LayerFeeds:
                 del self.feeds[c.request_id]
                 feed.close(c.failed)
                 continue
-            written = [ids[f:] for ids, f in zip(c.block_ids, c.first, strict=True)]
+            upto = c.upto or [len(ids) for ids in c.block_ids]
+            written = [ids[f:u] for ids, f, u in zip(c.block_ids, c.first, upto, strict=True)]
             self.current.append((c, feed, written))
         return staged, whole
 

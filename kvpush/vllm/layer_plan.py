@@ -4,10 +4,10 @@ each step computes of them (``StepMeta.layered``).
 A one-token P request whose prompt has at least ``layerwise_min_tokens`` tokens is handed
 over at the step that starts its prompt (held as an early hand-over: the engine confirms
 it at ``request_finished``); every step that computes part of its prompt sends one
-``LayerChunk`` (the blocks so far, the first block the step writes), the last one closes
-its feed on the worker. A request preempted or finished before its prompt was computed
-sends a failed chunk: the worker closes its feed failed and the push fails (D is told
-once the WRITEs already posted have ended).
+``LayerChunk`` (the blocks so far, the first block the step writes and the blocks it
+fills), the last one closes its feed on the worker. A request preempted or finished
+before its prompt was computed sends a failed chunk: the worker closes its feed failed
+and the push fails (D is told once the WRITEs already posted have ended).
 """
 
 from __future__ import annotations
@@ -98,6 +98,7 @@ class LayerPlan:
             [computed // self.block_size],
             [-(-req.prompt // self.block_size)],
             last,
+            upto=[] if last else [(computed + count) // self.block_size],
         )
 
     def _fail(self, rid: str, why: str) -> LayerChunk:

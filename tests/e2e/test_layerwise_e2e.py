@@ -90,6 +90,9 @@ def test_nothing_held_and_nothing_failed_afterwards(env: dict[str, Any]) -> None
     wait_no_kv_in_use([env["p"], env["d"]])
     for server in (env["p"], env["d"]):
         assert metric(server.url, "vllm:kvpush_push_failures_total") == 0
+    # Each block written once: one a chunk leaves part-filled goes with the next chunk.
+    sent = metric(env["p"].url, "vllm:kvpush_bytes_sent_total")
+    assert sent == metric(env["d"].url, "vllm:kvpush_bytes_received_total")
     assert metric(env["p"].url, LAYER_WRITES) > 0
     # vLLM's CPU forward called save_kv_layer for every layer: none went at its end.
     assert metric(env["p"].url, "vllm:kvpush_layers_unreported_total") == 0

@@ -52,7 +52,8 @@ def test_long_one_token_prompts_go_layer_by_layer_from_their_first_chunk() -> No
             {"long": 200, "short": 100, "many": 300},
         )
     )
-    assert meta.layered == [LayerChunk("long", "t", [[1, 2]], [0], [3], False)]
+    # Chunk 1 fills block 1 and half of block 2: block 2 goes with chunk 2.
+    assert meta.layered == [LayerChunk("long", "t", [[1, 2]], [0], [3], False, upto=[1])]
     assert [s.request_id for s in meta.early] == ["short"]  # whole, at the forward's end
     assert p.sched.handed_over("long")
     # Chunk 2: its first block is the one chunk 1 left half full (tokens 128-255).
@@ -85,7 +86,7 @@ def test_off_by_default() -> None:
 
 def test_feeds_get_one_piece_per_layer_and_close_with_the_last_chunk() -> None:
     feeds = LayerFeeds(["l0", "l1", "l2"])
-    chunk1 = LayerChunk("r", "t", [[5, 6]], [0], [3], False)
+    chunk1 = LayerChunk("r", "t", [[5, 6]], [0], [3], False, upto=[1])  # 6: part-filled
     staged, whole = feeds.start([chunk1])
     assert [s.request_id for s in staged] == ["r"] and not whole
     feed = staged[0].feed
@@ -94,9 +95,9 @@ def test_feeds_get_one_piece_per_layer_and_close_with_the_last_chunk() -> None:
         feeds.saved(name)
     assert feeds.end_step() == 1  # l2 unreported (a CUDA graph, say): added at the end
     assert [(p.layer, p.ids, p.first) for p in feed.pieces] == [
-        ("l0", [[5, 6]], [0]),
-        ("l1", [[5, 6]], [0]),
-        ("l2", [[5, 6]], [0]),
+        ("l0", [[5]], [0]),
+        ("l1", [[5]], [0]),
+        ("l2", [[5]], [0]),
     ]
     assert not feed.closed
     staged, _ = feeds.start([LayerChunk("r", "t", [[5, 6, 9]], [1], [3], True)])
