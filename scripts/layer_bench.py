@@ -100,10 +100,11 @@ def hist(url: str, name: str) -> tuple[float, float]:
     return metric(url, name + "_sum"), metric(url, name + "_count")
 
 
-def one(router: RouterProc, p: VllmServer, model: str, prompt: list[int]) -> dict[str, Any]:
+def one(router: RouterProc, p: VllmServer, model: str, prompt: list[int],
+        timeout_s: float = 120) -> dict[str, Any]:  # fmt: skip
     """One request; its TTFT and P's push and prefill seconds for it."""
     push0, prefill0 = hist(p.url, PUSH), hist(p.url, PREFILL)
-    reply: Reply = request(router.url, model, prompt, None, 2, True, 120)
+    reply: Reply = request(router.url, model, prompt, None, 2, True, timeout_s)
     out: dict[str, Any] = {"ok": reply.ok, "ttft_s": reply.ttft_s, "error": reply.error,
                            "tokens": reply.token_ids}  # fmt: skip
     # P's histograms arrive with its stats, a moment after the request: wait for them.

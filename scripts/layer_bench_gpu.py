@@ -53,8 +53,12 @@ from layer_bench import MODES, Setup, ids, one, plot, start, summarize  # noqa: 
 from kvpush.deploy.servers import VllmServer, wait_healthy  # noqa: E402
 from tests.e2e.hosts import HostPair  # noqa: E402
 
-GPU_UCX = "UCX_TLS=tcp,cuda_copy UCX_RMA_PPLN_ENABLE=y"  # pipelined VRAM over TCP
-GPU_UCX_FALLBACK = "UCX_TLS=tcp,cuda_copy"  # UCX's plain software path for VRAM over TCP
+# UCX_RMA_PPLN_ENABLE (UCX 1.22; an unknown variable is only warned about in older ones):
+# PUTs of VRAM as a pipeline of host fragments instead of software emulation. No cuda_ipc:
+# the GPU is shared, so it would bypass the link. UCX_PROTO_INFO: the servers' logs name
+# the protocol UCX chose for each transfer.
+GPU_UCX = "UCX_TLS=tcp,cuda_copy UCX_RMA_PPLN_ENABLE=y UCX_PROTO_INFO=y"
+GPU_UCX_FALLBACK = "UCX_TLS=tcp,cuda_copy UCX_PROTO_INFO=y"  # UCX's software emulation
 RATE_UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
 
 
@@ -134,18 +138,19 @@ def bring_up(args: argparse.Namespace, model: str, hosts: HostPair, out: dict[st
     for k, ucx in enumerate(tries):
         t = time.monotonic()
         logs = Path(args.out, "logs", f"try{k}")
-        setup = start(model, hosts, str(logs), args.max_len, server_spec(args, hosts, ucx),
-                      peer_copy="off")  # fmt: skip
+        spec = server_spec(args, hosts, ucx)
+        setup = start(model, hosts, str(logs), args.max_len, spec, peer_copy="off")
         p, d, routers = setup
         procs = [*routers.values(), d, *p.values()]
-        probe: dict[str, Any] = {"ucx_env": ucx, "logs": str(logs)}
+        probe: dict[str, Any] = {"ucx_env": ucx, "server_env": spec["env"], "logs": str(logs)}
         out["probes"].append(probe)
         try:
             wait_healthy(procs, timeout=max(60.0, deadline - time.monotonic()))
             probe["start_s"] = time.monotonic() - t
             set_rate(hosts, args.rates[0])
             for m in MODES:
-                probe[m] = one(routers[m], p[m], model, ids(args.sizes[0], 999))
+                # A short timeout: a UCX setting that hangs must not eat the budget.
+                probe[m] = one(routers[m], p[m], model, ids(args.sizes[0], 999), 30)
                 print(f"probe {m}: ok={probe[m]['ok']} ttft={probe[m]['ttft_s']} "
                       f"error={probe[m]['error']}", flush=True)  # fmt: skip
             probe["ok"] = all(probe[m]["ok"] for m in MODES)

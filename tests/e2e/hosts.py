@@ -167,7 +167,7 @@ class HostPair:
             raise RuntimeError("test hosts need root (network namespaces, mounts, tc)")
         missing = self.net.tools()
         if missing:
-            raise RuntimeError(f"test hosts need {missing}")
+            raise RuntimeError(f"test hosts need {missing} (apt: iproute2, util-linux, procps)")
         self.remove()
         try:
             self._make()
