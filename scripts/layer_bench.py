@@ -50,6 +50,8 @@ from tests.e2e.hosts import Host, HostPair  # noqa: E402
 MODES = ("layer", "whole")
 PUSH = "vllm:kvpush_push_seconds"
 PREFILL = "vllm:request_prefill_time_seconds"
+# One measurement's processes: the prefiller per mode, the decoder, the router per mode.
+Setup = tuple[dict[str, VllmServer], VllmServer, dict[str, RouterProc]]
 
 
 def ids(n: int, seed: int) -> list[int]:
@@ -57,14 +59,36 @@ def ids(n: int, seed: int) -> list[int]:
 
 
 def server(name: str, model: str, role: str, host: Host, hosts: HostPair, work: str,
-           core: int, max_len: int, **extra: Any) -> VllmServer:  # fmt: skip
+           core: int, max_len: int, spec: dict[str, Any] | None = None,
+           **extra: Any) -> VllmServer:  # fmt: skip
+    """A server on ``host``; ``spec``: further ServerSpec fields (the GPU variant's),
+    ``extra``: kvpush connector options."""
     config = kvpush_config(role, name, free_port(), side_channel_host=host.link, **extra)
-    spec = ServerSpec(
-        name, model, kv_config=config, core=core, env=hosts.env(), log_dir=work,
-        host=host.front, prefix=host.prefix(), max_model_len=max_len,
-        max_num_batched_tokens=max_len, max_num_seqs=2,
-    )  # fmt: skip
-    return VllmServer(spec)
+    fields: dict[str, Any] = {"env": hosts.env(), "max_num_batched_tokens": max_len,
+                              "max_num_seqs": 2, **(spec or {})}  # fmt: skip
+    return VllmServer(ServerSpec(
+        name, model, kv_config=config, core=core, log_dir=work, host=host.front,
+        prefix=host.prefix(), max_model_len=max_len, **fields,
+    ))  # fmt: skip
+
+
+def start(model: str, hosts: HostPair, work: str, max_len: int,
+          spec: dict[str, Any] | None = None, **extra: Any) -> Setup:  # fmt: skip
+    """Both prefillers (P's host, core 0), the decoder (D's host, core 1) and one router per
+    prefiller, started at once (not yet healthy): the processes of one measurement."""
+    p = {
+        "layer": server("p-layer", model, "kv_producer", hosts.p, hosts, work, 0, max_len,
+                        spec, layerwise_min_tokens=1, **extra),
+        "whole": server("p-whole", model, "kv_producer", hosts.p, hosts, work, 0, max_len,
+                        spec, **extra),
+    }  # fmt: skip
+    d = server("decode", model, "kv_consumer", hosts.d, hosts, work, 1, max_len, spec, **extra)
+    routers = {
+        m: RouterProc(p[m].url, d.url, f"{hosts.p.link}:{side(p[m])}", work,
+                      extra=["--timeout", "120"])
+        for m in MODES
+    }  # fmt: skip
+    return p, d, routers
 
 
 def side(s: VllmServer) -> int:
@@ -76,10 +100,11 @@ def hist(url: str, name: str) -> tuple[float, float]:
     return metric(url, name + "_sum"), metric(url, name + "_count")
 
 
-def one(router: RouterProc, p: VllmServer, model: str, prompt: list[int]) -> dict[str, Any]:
+def one(router: RouterProc, p: VllmServer, model: str, prompt: list[int],
+        timeout_s: float = 120) -> dict[str, Any]:  # fmt: skip
     """One request; its TTFT and P's push and prefill seconds for it."""
     push0, prefill0 = hist(p.url, PUSH), hist(p.url, PREFILL)
-    reply: Reply = request(router.url, model, prompt, None, 2, True, 120)
+    reply: Reply = request(router.url, model, prompt, None, 2, True, timeout_s)
     out: dict[str, Any] = {"ok": reply.ok, "ttft_s": reply.ttft_s, "error": reply.error,
                            "tokens": reply.token_ids}  # fmt: skip
     # P's histograms arrive with its stats, a moment after the request: wait for them.
@@ -131,7 +156,8 @@ def summarize(cells: list[dict[str, Any]], sizes: list[int]) -> list[dict[str, A
     return rows
 
 
-def plot(rows: list[dict[str, Any]], cells: list[dict[str, Any]], path: str, rate: str) -> None:
+def plot(rows: list[dict[str, Any]], cells: list[dict[str, Any]], path: str, rate: str,
+         device: str = "CPU") -> None:  # fmt: skip
     import matplotlib
 
     matplotlib.use("Agg")
@@ -151,7 +177,7 @@ def plot(rows: list[dict[str, Any]], cells: list[dict[str, Any]], path: str, rat
             label="whole push's transfer (P)")  # fmt: skip
     ax.set_xlabel("prompt tokens")
     ax.set_ylabel("ms (medians; dots: every request)")
-    ax.set_title(f"Layer-wise push, CPU, P-D link {rate} (tc tbf, veth)")
+    ax.set_title(f"Layer-wise push, {device}, P-D link {rate} (tc tbf, veth)")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -172,17 +198,7 @@ def main() -> int:
     with HostPair(prefix="kvl", net=78) as hosts:
         if args.rate != "none":
             hosts.limit(args.rate, burst="256kb", latency="2s")
-        p = {
-            "layer": server("p-layer", model, "kv_producer", hosts.p, hosts, work, 0, max_len,
-                            layerwise_min_tokens=1),
-            "whole": server("p-whole", model, "kv_producer", hosts.p, hosts, work, 0, max_len),
-        }  # fmt: skip
-        d = server("decode", model, "kv_consumer", hosts.d, hosts, work, 1, max_len)
-        routers = {
-            m: RouterProc(p[m].url, d.url, f"{hosts.p.link}:{side(p[m])}", work,
-                          extra=["--timeout", "120"])
-            for m in MODES
-        }  # fmt: skip
+        p, d, routers = start(model, hosts, work, max_len)
         procs = [*routers.values(), d, *p.values()]
         try:
             wait_healthy(procs, timeout=600)
