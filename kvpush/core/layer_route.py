@@ -80,7 +80,7 @@ def advance(peers: PeerTable, f: Flight) -> WriteState:
     assert isinstance(lw, LayerWrites)
     if not lw.error and not lw.leg.cancelled:
         _post_ready(peers, f, lw)
-    _check(peers, lw)
+    _check(peers, f, lw)
     if lw.handles:
         return WriteState.PENDING
     feed = lw.feed
@@ -165,13 +165,14 @@ def _write(
     peers.stats["write_bytes"] += nbytes
 
 
-def _check(peers: PeerTable, lw: LayerWrites) -> None:
+def _check(peers: PeerTable, f: Flight, lw: LayerWrites) -> None:
     for h in list(lw.handles):
         try:
             state = peers.transport.check(h)
         except TransportError as e:
             log.warning("layer write of %s: %s", lw.leg.name, e)
             state = WriteState.ERROR
+            f.gone = f.gone or isinstance(e, PeerGoneError)
         if state is WriteState.PENDING:
             continue
         lw.handles.remove(h)

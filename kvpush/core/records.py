@@ -49,6 +49,9 @@ class Flight:
     notice: str | None = None  # D's request id, when P sends the completion after it
     name: str = ""  # the leg's (set when the leg goes WRITING), for the log
     error: str = ""  # why it failed (``Route.poll`` gave ERROR)
+    # The connection to the agent broke (NIXL's remote disconnect): the sender drops it once
+    # the failure is told, so the next push connects afresh instead of failing on it.
+    gone: bool = False
 
 
 @dataclass

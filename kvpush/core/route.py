@@ -107,6 +107,7 @@ class WriteRoute(Route):
         except TransportError as e:
             log.warning("write %s: %s", f.name, e)
             state = WriteState.ERROR
+            f.gone = isinstance(e, PeerGoneError)
         if state is WriteState.DONE:
             self.peers.stats["writes_done"] += 1
         elif state is WriteState.ERROR:

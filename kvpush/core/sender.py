@@ -148,4 +148,6 @@ class Sender:
                 self._done(t)
             else:
                 self._fail(t, self.peers.by_agent.get(t.sender), f.error)
+                if f.gone:
+                    self.peers.forget(f.agent, failed=True)
         return changed

@@ -14,9 +14,10 @@ from typing import Any
 import pytest
 
 from kvpush.core import wire
-from kvpush.core.errors import HandshakeError
+from kvpush.core.errors import HandshakeError, PeerGoneError
 from kvpush.core.handshake import fetch_agent_info
 from kvpush.core.memory_transport import Fabric, MemoryTransport
+from kvpush.core.transport import WriteState
 from kvpush.core.worker import make_agent_name
 from kvpush_bench.sim.engine import SimEngine, SimSpec
 from kvpush_bench.sim.ranks import RankShape
@@ -324,6 +325,39 @@ def test_cancel_during_write_keeps_blocks_until_outcome(pair_factory: Callable[.
     assert pair.d.held_blocks() == 4
     pair.fabric.complete_writes()
     pair.until(lambda: "released" in pair.d_kinds("d1"), what="released after the WRITE ended")
+    pair.settle()
+
+
+def test_a_write_on_a_dead_connection_fails_and_the_next_push_reconnects(
+    pair_factory: Callable[..., Pair],
+) -> None:
+    """NIXL reports a broken connection (NIXL_ERR_REMOTE_DISCONNECT) when P checks a WRITE:
+    that push fails, and P drops the connection, so the next push handshakes afresh
+    instead of failing on the dead one (as every push did over a GPU's TCP link)."""
+    pair = pair_factory()
+    pair.fabric.hold_writes = True
+    transport = pair.p.worker.peers.transport
+    real_check = transport.check
+    died: list[object] = []
+
+    def check(handle: object) -> WriteState:
+        if not died:
+            died.append(handle)
+            raise PeerGoneError("check write: NIXL_ERR_REMOTE_DISCONNECT")
+        return real_check(handle)
+
+    transport.check = check  # type: ignore[method-assign]
+    pair.p.prefill("p1", "t1", 4)
+    pair.register("d1", "t1", 4)
+    pair.until(lambda: "failed" in pair.d_kinds("d1"), what="the receive failed")
+    d_agent = pair.d.worker.peers.transport.agent_name
+    assert died and d_agent not in pair.p.worker.peers.by_agent  # forgotten
+    pair.fabric.complete_writes()  # (the dead WRITE's handle ends)
+    pair.fabric.hold_writes = False
+    pair.p.prefill("p2", "t2", 4)
+    pair.register("d2", "t2", 4)
+    pair.until(lambda: recv_ok(pair, "d2"), what="the next push, over a new connection")
+    assert d_agent in pair.p.worker.peers.by_agent
     pair.settle()
 
 
