@@ -27,6 +27,7 @@ class CutLink:
         self.hold = hold
         self.on_first_event = on_first_event
         self.passed_first = threading.Event()  # a stream's first event is going through
+        self.closed_by_router = threading.Event()  # a POST's connection ended on the router side
         self._cut = threading.Event()
         self._server = socket.create_server(("127.0.0.1", 0))
         self.port = self._server.getsockname()[1]
@@ -65,6 +66,8 @@ class CutLink:
                 if data.startswith(b"POST "):
                     posted.set()  # before D can see the request
                 dst.sendall(data)
+            if posted.is_set():  # (not a health probe's connection)
+                self.closed_by_router.set()
         except OSError:
             pass
         finally:

@@ -191,6 +191,9 @@ def test_client_hang_up_cancels_both_legs(env: dict[str, Any], tmp_path: Path) -
         try:
             with urllib.request.urlopen(req, timeout=60):
                 assert link.passed_first.is_set()  # (the router's 200 waits for it)
+            # The router ends D's stream though D is silent; D resumes only then, so it
+            # meets the hang-up at once (resumed earlier, a fast D could finish first).
+            assert link.closed_by_router.wait(10), "D's stream open 10 s after the client left"
         finally:
             c.d.send(signal.SIGCONT)
         _wait_idle(c, "after the client hung up")
