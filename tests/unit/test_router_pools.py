@@ -130,6 +130,15 @@ async def _true(value: bool) -> bool:
     return value
 
 
+async def until_out(cl: aiohttp.ClientSession, url: str, member: str, what: str) -> None:
+    """Wait until the router's pool has taken ``member`` (an instance's URL) out."""
+
+    async def out() -> bool:
+        return not (await instances(cl, url))[member]["healthy"]
+
+    await until(out, what)
+
+
 async def until(cond: Callable[[], Any], what: str, timeout: float = DEADLINE) -> None:
     deadline = time.monotonic() + timeout
     while not await cond():
@@ -142,10 +151,7 @@ def test_flapping_health_takes_an_instance_out_and_brings_it_back() -> None:
         async with pools(1, 2) as (url, cl, ps, ds):
             ds[0].health = 500
 
-            async def out() -> bool:
-                return not (await instances(cl, url))[ds[0].url]["healthy"]
-
-            await until(out, "d0 taken out")
+            await until_out(cl, url, ds[0].url, "d0 taken out")
             for _ in range(6):
                 status, body = await complete(cl, url)
                 assert status == 200 and body["choices"][0]["text"] == "d1"
@@ -296,10 +302,7 @@ def test_prefix_affinity_is_stable_and_falls_back_when_its_prefiller_is_down() -
             prompt = next(k for k, v in chosen.items() if v == victim.name)
             victim.health = 500
 
-            async def out() -> bool:
-                return not (await instances(cl, url))[victim.url]["healthy"]
-
-            await until(out, "victim out")
+            await until_out(cl, url, victim.url, "victim out")
             count = len(victim.hits)
             assert (await complete(cl, url, prompt=prompt + "tail"))[0] == 200
             assert len(victim.hits) == count
@@ -373,10 +376,7 @@ def test_a_stream_on_a_prefiller_not_yet_in_the_pool_is_not_sent_again() -> None
         async with pools(1, 1) as (url, cl, ps, ds):
             ps[0].health = 500
 
-            async def p0_out() -> bool:
-                return not (await instances(cl, url))[ps[0].url]["healthy"]
-
-            await until(p0_out, "p0 out")
+            await until_out(cl, url, ps[0].url, "p0 out")
             ds[0].hold = asyncio.Event()
             sent = asyncio.create_task(complete(cl, url, stream=True))
             await until(lambda: _true(len(ds[0].hits) == 1 and len(ps[0].hits) == 1), "legs")
@@ -399,10 +399,7 @@ def test_a_stream_whose_prefiller_left_the_pool_after_answering_is_sent_again() 
         async with pools(2, 1) as (url, cl, ps, ds):
             ps[1].health = 500  # only p0 in the pool at first
 
-            async def only_p0() -> bool:
-                return not (await instances(cl, url))[ps[1].url]["healthy"]
-
-            await until(only_p0, "p1 out")
+            await until_out(cl, url, ps[1].url, "p1 out")
             ps[0].no_push = True
             start = time.monotonic()
             sent = asyncio.create_task(complete(cl, url, stream=True))
