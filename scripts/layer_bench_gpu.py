@@ -101,9 +101,9 @@ def ensure_model(args: argparse.Namespace) -> tuple[str, float]:
     return model, time.monotonic() - t
 
 
-def kv_per_token(model: str, dtype_bytes: int) -> int:
-    """Bytes of KV per token: layers x (K, V) x KV heads x head dim x dtype bytes."""
-    c = json.loads(Path(model, "config.json").read_text())
+def kv_per_token(c: dict[str, Any], dtype_bytes: int) -> int:
+    """Bytes of KV per token of a model config: layers x (K, V) x KV heads x head dim x
+    dtype bytes."""
     head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
     return int(c["num_hidden_layers"] * 2 * c["num_key_value_heads"] * head_dim * dtype_bytes)
 
@@ -274,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         model, out["model_build_s"] = ensure_model(args)
         config = json.loads(Path(model, "config.json").read_text())
-        kv = kv_per_token(model, 4 if args.device == "cpu" else 2)  # float32 on CPU
+        kv = kv_per_token(config, 4 if args.device == "cpu" else 2)  # float32 on CPU
         out["model"] = {"dir": model, "shape": args.shape, "config": config,
                         "kv_bytes_per_token": kv}  # fmt: skip
         with HostPair(prefix="kvg", net=82) as hosts:
