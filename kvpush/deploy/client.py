@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -35,10 +36,12 @@ def request(
     headers: dict[str, str] | None = None,
     extra: dict[str, Any] | None = None,
     token_ids: bool = True,
+    first_token: threading.Event | None = None,
 ) -> Reply:
     """POST one greedy completion (``prompt``) or chat (``messages``) and time it.
     ``token_ids``: ask for the prompt's and the output's token ids (tests compare them;
-    benchmarks leave them out, as most clients do)."""
+    benchmarks leave them out, as most clients do). ``first_token`` (streamed only) is set
+    when the first token arrives, so a caller can act while the rest is still coming."""
     chat = messages is not None
     body: dict[str, Any] = {
         "model": model,
@@ -66,7 +69,7 @@ def request(
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             rid = resp.headers.get("X-Request-Id", "")
             if stream:
-                reply = _read_stream(resp, chat, start)
+                reply = _read_stream(resp, chat, start, first_token)
                 reply.request_id, reply.sent_at = rid, sent_at
                 return reply
             data = json.loads(resp.read())
@@ -95,7 +98,9 @@ def request(
     )
 
 
-def _read_stream(resp: Any, chat: bool, start: float) -> Reply:
+def _read_stream(
+    resp: Any, chat: bool, start: float, first_token: threading.Event | None = None
+) -> Reply:
     reply = Reply(True, status=200)
     for raw in resp:
         line = raw.decode().strip()
@@ -115,6 +120,8 @@ def _read_stream(resp: Any, chat: bool, start: float) -> Reply:
                 continue
             if not reply.ttft_s:
                 reply.ttft_s = time.perf_counter() - start
+                if first_token is not None:
+                    first_token.set()
             reply.text += piece
             reply.token_ids += list(choice.get("token_ids") or [])
     reply.total_s = time.perf_counter() - start

@@ -66,19 +66,23 @@ def in_background(fn: Any) -> tuple[threading.Thread, list[Reply]]:
 def test_decoder_killed_mid_request(cluster: tuple[Cluster, str]) -> None:
     c, model = cluster
     assert request(c.router.url, model, PROMPT, max_tokens=4).ok  # warm: both handshakes done
+    decoding = threading.Event()
     th, out = in_background(
-        lambda: request(c.router.url, model, PROMPT, max_tokens=LONG, stream=True, timeout=60)
+        lambda: request(
+            c.router.url,
+            model,
+            PROMPT,
+            max_tokens=LONG,
+            stream=True,
+            timeout=60,
+            extra={"ignore_eos": True},
+            first_token=decoding,
+        )
     )
-    deadline = time.monotonic() + 30
-    # D holds the request (waiting for P's KV, a few ms since P pushes from the end of its
-    # forward, then decoding LONG tokens): kill it then. ~200 tokens, as a 512-token
-    # context allowed, took the tiny model only tens of ms: a window the poll could miss.
-    while (
-        metric(c.d.url, "vllm:num_requests_running") + metric(c.d.url, "vllm:num_requests_waiting")
-        < 1
-    ):
-        assert time.monotonic() < deadline, "the decoder never took the request"
-        time.sleep(0.01)
+    # The client's first token is D's first chunk: D holds the request and has LONG - 1
+    # tokens to go. (Polling D's running/waiting gauges instead missed the window on a
+    # loaded CI machine: the whole request can end between two scrapes.)
+    assert decoding.wait(30), f"no first token from the decoder: {out}"
     killed = time.monotonic()
     c.d.kill()
     th.join(ROUTER_TIMEOUT + 10)
