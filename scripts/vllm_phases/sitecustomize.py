@@ -114,9 +114,162 @@ def _patch(mod):
     out.write(json.dumps({"patched": mod.__name__, "pid": os.getpid()}) + "\n")
 
 
+_seen: dict[str, set] = {}
+_out = None
+_olock = threading.Lock()
+
+
+def _mark(ev, rids, **extra):
+    """Log `ev` for the request ids seen with this event for the first time."""
+    global _out
+    fresh = [r for r in rids if r not in _seen.setdefault(ev, set())]
+    if not fresh:
+        return
+    _seen[ev].update(fresh)
+    with _olock:
+        if _out is None:
+            _out = open(os.path.join(_DIR, f"outpath-{os.getpid()}.jsonl"), "a", buffering=1)
+        _out.write(json.dumps({"t": time.time(), "ev": ev, "rids": fresh, **extra}) + "\n")
+
+
+def _rids(outs):
+    return [o.request_id for o in (getattr(outs, "outputs", None) or ()) if o.new_token_ids]
+
+
+def _patch_core(mod):
+    C = mod.EngineCore
+
+    def wrap_step(f):
+        def w(self, *a, **k):
+            res = f(self, *a, **k)
+            for outs in (res[0] or {}).values():
+                _mark("core.step_out", _rids(outs))
+            return res
+
+        return w
+
+    for n in ("step", "step_with_batch_queue"):
+        if hasattr(C, n):
+            setattr(C, n, wrap_step(getattr(C, n)))
+    fadd = C.add_request
+
+    def add_request(self, request, *a, **k):
+        _mark("core.add", [request.request_id])
+        return fadd(self, request, *a, **k)
+
+    C.add_request = add_request
+    P = mod.EngineCoreProc
+    send = P._send_msg_tracking_payload
+
+    def sent(*a, **k):
+        res = send(*a, **k)
+        _mark("core.sent", list(getattr(_st, "enc", ())))
+        return res
+
+    P._send_msg_tracking_payload = staticmethod(sent)
+
+
+def _patch_serial(mod):
+    enc, dec = mod.MsgpackEncoder.encode_into, mod.MsgpackDecoder.decode
+
+    def encode_into(self, obj, buf):
+        _st.enc = _rids(obj)
+        _mark("core.encode", _st.enc)
+        return enc(self, obj, buf)
+
+    def decode(self, bufs):
+        obj = dec(self, bufs)
+        _mark("api.decoded", _rids(obj))
+        return obj
+
+    mod.MsgpackEncoder.encode_into, mod.MsgpackDecoder.decode = encode_into, decode
+
+
+def _patch_sched(mod):
+    f = mod.Scheduler.schedule
+
+    def schedule(self, *a, **k):
+        out = f(self, *a, **k)
+        _mark("core.sched", [r.req_id for r in out.scheduled_new_reqs])
+        return out
+
+    mod.Scheduler.schedule = schedule
+
+
+def _patch_outproc(mod):
+    fadd = mod.OutputProcessor.add_request
+
+    def add_request(self, request, *a, **k):
+        _mark("api.add", [request.request_id], n=len(request.prompt_token_ids or ()))
+        return fadd(self, request, *a, **k)
+
+    mod.OutputProcessor.add_request = add_request
+    f = mod.OutputProcessor.process_outputs
+
+    def process_outputs(self, outs, *a, **k):
+        rids = [o.request_id for o in outs if o.new_token_ids]
+        _st.proc = rids
+        _mark("api.process", rids)
+        res = f(self, outs, *a, **k)
+        _mark("api.processed", rids)
+        return res
+
+    mod.OutputProcessor.process_outputs = process_outputs
+
+
+def _patch_serving(mod):
+    S = mod.OpenAIServingCompletion
+    gen, full = S.completion_stream_generator, S.request_output_to_completion_response
+
+    async def stream(self, request, engine_inputs, results, request_id, *a, **k):
+        async for chunk in gen(self, request, engine_inputs, results, request_id, *a, **k):
+            _mark("api.first_chunk", [request_id])
+            yield chunk
+
+    def answer(self, *a, **k):
+        res = full(self, *a, **k)
+        _mark("api.answer", [getattr(res, "id", "")])
+        return res
+
+    S.completion_stream_generator, S.request_output_to_completion_response = stream, answer
+
+
+def _patch_loggers(mod):
+    f = mod.StatLoggerManager.record
+
+    def record(self, *a, **k):
+        rids = list(getattr(_st, "proc", ()))
+        _mark("api.record", rids)
+        res = f(self, *a, **k)
+        _mark("api.recorded", rids)
+        return res
+
+    mod.StatLoggerManager.record = record
+
+
+_OUT_MODS = {
+    "vllm.v1.metrics.loggers": _patch_loggers,
+    "vllm.v1.engine.core": _patch_core,
+    "vllm.v1.core.sched.scheduler": _patch_sched,
+    "vllm.v1.serial_utils": _patch_serial,
+    "vllm.v1.engine.output_processor": _patch_outproc,
+    "vllm.entrypoints.openai.completion.serving": _patch_serving,
+}
+
+
+def _patch_any(name, module):
+    try:
+        if name in _OUT_MODS:
+            _OUT_MODS[name](module)
+        else:
+            _patch(module)
+    except Exception as exc:  # diagnosis must not break the server
+        print("phases: patch failed", name, repr(exc), file=sys.stderr, flush=True)
+
+
 class _Finder(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path, target=None):
-        if name not in _MODS:
+        if name not in _MODS and name not in _OUT_MODS:
             return None
         for f in sys.meta_path:
             if f is self or not hasattr(f, "find_spec"):
@@ -130,10 +283,7 @@ class _Finder(importlib.abc.MetaPathFinder):
 
         def exec_module(module):
             orig(module)
-            try:
-                _patch(module)
-            except Exception as exc:  # diagnosis must not break the server
-                print("phases: patch failed", repr(exc), file=sys.stderr, flush=True)
+            _patch_any(name, module)
 
         spec.loader.exec_module = exec_module
         return spec
@@ -154,7 +304,5 @@ def _poll():
 
 if _DIR:
     os.makedirs(_DIR, exist_ok=True)
-    with open(os.path.join(_DIR, f"loaded-{os.getpid()}.txt"), "w") as f:
-        f.write(" ".join(sys.argv)[:300] + "\n")
     sys.meta_path.insert(0, _Finder())
     threading.Thread(target=_poll, daemon=True, name="phases-poll").start()
