@@ -207,19 +207,24 @@ def bench_router(
     try:
         if proc is not None:
             wait_http(url + "/health", 120, proc)
-        warm = asyncio.run(run_level(url, 1, 20, args.tokens))  # the same for all
+        # the same warm-up for all
+        warm = asyncio.run(run_level(url, 1, 20, args.tokens, prompt_tokens=args.prompt_tokens))
         out: dict[str, Any] = {"warmup_failed": sum(not r["ok"] for r in warm)}
         for streams in args.levels:
             # One request per stream first, not counted: every contender opens its
             # connections (and the router its upstream ones) before the measured part.
-            warm = asyncio.run(run_level(url, streams, streams, args.tokens))
+            warm = asyncio.run(
+                run_level(url, streams, streams, args.tokens, prompt_tokens=args.prompt_tokens)
+            )
             out["warmup_failed"] += sum(not r["ok"] for r in warm)
             n = max(args.min_requests, args.per_stream * streams)
             spread = args.tokens * args.gap_ms / 1e3 if args.stagger else 0.0
             pause = args.gap_ms / 1e3 if args.stagger else 0.0
             spy = profiler(args, name, proc, streams)
             cpu0, t0 = cpu_now(groups), time.monotonic()
-            results = asyncio.run(run_level(url, streams, n, args.tokens, spread, pause))
+            results = asyncio.run(
+                run_level(url, streams, n, args.tokens, spread, pause, args.prompt_tokens)
+            )
             secs = time.monotonic() - t0
             cpu1 = cpu_now(groups)
             if spy is not None:
@@ -340,6 +345,12 @@ def main() -> int:
         a.add_argument("--tokens", type=int, default=16, help="events per decode stream")
         a.add_argument("--gap-ms", type=float, default=10.0, help="pause between events")
         a.add_argument("--prefill-ms", type=float, default=0.0, help="fake prefill's time")
+    ap.add_argument(
+        "--prompt-tokens",
+        type=int,
+        default=0,
+        help="a prompt of this many token ids (a long prompt's body) instead of a short text",
+    )
     ap.add_argument("--levels", type=lambda s: [int(x) for x in s.split(",")], default=[1, 64, 256])
     contenders = ["direct", "kvpush", "vllm-router"]
     ap.add_argument("--routers", type=lambda s: s.split(","), default=contenders)

@@ -314,9 +314,12 @@ class Client(asyncio.Protocol):
         return False
 
 
-def request_bytes(url: str, tokens: int) -> bytes:
+def request_bytes(url: str, tokens: int, prompt_tokens: int = 0) -> bytes:
+    """A streamed completion; with `prompt_tokens`, its prompt is that many token ids (the
+    size of a long prompt's body), else a short text."""
     host = url.split("//", 1)[1]
-    body = json.dumps({"model": MODEL, "prompt": "hello there", "max_tokens": tokens,
+    prompt: Any = [(i * 7919) % 32000 for i in range(prompt_tokens)] or "hello there"
+    body = json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": tokens,
                        "stream": True}).encode()  # fmt: skip
     head = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json"
             f"\r\nContent-Length: {len(body)}\r\n\r\n")  # fmt: skip
@@ -324,7 +327,13 @@ def request_bytes(url: str, tokens: int) -> bytes:
 
 
 async def run_level(
-    url: str, streams: int, requests: int, tokens: int, spread_s: float = 0.0, pause_s: float = 0.0
+    url: str,
+    streams: int,
+    requests: int,
+    tokens: int,
+    spread_s: float = 0.0,
+    pause_s: float = 0.0,
+    prompt_tokens: int = 0,
 ) -> list[dict[str, Any]]:
     """`requests` requests over `streams` closed-loop streams, each on its own keep-alive
     connection (a new one after a failure); every result, failures too. Stream i starts
@@ -333,7 +342,7 @@ async def run_level(
     request at once, every few ms, is no load a router in service sees)."""
     loop = asyncio.get_running_loop()
     host, port = url.split("//", 1)[1].split(":")
-    raw = request_bytes(url, tokens)
+    raw = request_bytes(url, tokens, prompt_tokens)
     results: list[dict[str, Any]] = []
     left = requests
 

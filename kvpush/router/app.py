@@ -40,7 +40,18 @@ import aiohttp
 from aiohttp import web
 
 from kvpush.core import trace
-from kvpush.router import admin, bodies, info, legs, replies, sse, tracking, upkeep, wire
+from kvpush.router import (
+    admin,
+    bodies,
+    info,
+    jsonbody,
+    legs,
+    replies,
+    sse,
+    tracking,
+    upkeep,
+    wire,
+)
 from kvpush.router.config import (
     BACKGROUND,
     CONFIG,
@@ -120,7 +131,7 @@ async def _chat_completions(request: web.Request) -> web.StreamResponse:
 async def _proxy(request: web.Request, path: str, chat: bool) -> web.StreamResponse:
     raw = await request.read()
     try:
-        body = json.loads(raw)
+        body = jsonbody.parse(raw)
     except (json.JSONDecodeError, UnicodeDecodeError):
         body = None
     app = request.app

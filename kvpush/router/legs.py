@@ -8,13 +8,12 @@ a raw aiohttp exception).
 from __future__ import annotations
 
 import asyncio
-import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import aiohttp
 
-from kvpush.router import wire
+from kvpush.router import jsonbody, wire
 
 LegName = Literal["prefill", "decode"]
 # timeout: no answer in time; upstream: answered non-2xx; connection: could not talk to it.
@@ -110,7 +109,7 @@ async def call_unary(
     """POST `body` and read the whole answer within `timeout` seconds."""
     try:
         async with asyncio.timeout(timeout):
-            resp = await upstreams.post(url, json.dumps(body).encode(), headers, _JSON)
+            resp = await upstreams.post(url, jsonbody.dump(body), headers, _JSON)
             try:
                 data = await resp.read()
             finally:
@@ -147,7 +146,7 @@ async def open_stream(
                 ctype = headers.pop("Content-Type", _JSON)
                 resp = await upstreams.post(url, body, headers, ctype)
             else:
-                resp = await upstreams.post(url, json.dumps(body).encode(), headers, _JSON)
+                resp = await upstreams.post(url, jsonbody.dump(body), headers, _JSON)
             if not any_status and not 200 <= resp.status < 300:
                 try:
                     data = await resp.read()
