@@ -32,6 +32,41 @@ def _wrap(f, name):
     return w
 
 
+_KV_METHODS = (
+    "start_load_kv",
+    "wait_for_save",
+    "get_transfer_results",
+    "save_kv_layer",
+    "wait_for_layer_load",
+    "get_kv_connector_stats",
+    "build_connector_worker_meta",
+    "bind_connector_metadata",
+)
+
+
+def _hook(runner):
+    """Wrap the runner's parts once they exist (the KV connector is set after the
+    profiling run): each object once, found again on every call."""
+    kv = getattr(runner, "kv_connector", None)
+    hooks = (
+        (getattr(runner, "model_state", None), ("prepare_attn", "prepare_inputs"), "ms."),
+        (kv, ("pre_forward", "finish_forward", "post_forward", "no_forward"), "kv."),
+        (getattr(kv, "kv_connector", None), _KV_METHODS, "conn."),
+        (getattr(runner, "model", None), ("forward",), "model."),
+        (getattr(runner, "block_tables", None), ("apply_staged_writes",), "bt."),
+    )
+    for obj, names, pre in hooks:
+        if obj is None or getattr(obj, "_phases_wrapped", False):
+            continue
+        try:
+            obj._phases_wrapped = True
+        except Exception:
+            continue
+        for n in names:
+            if hasattr(obj, n):
+                setattr(obj, n, _wrap(getattr(obj, n), pre + n))
+
+
 def _patch(mod):
     if getattr(mod, "_phases_patched", False):
         return
@@ -61,21 +96,7 @@ def _patch(mod):
     fex = R.execute_model
 
     def ex(self, so, *a, **k):
-        if not getattr(self, "_phases_wrapped", False):
-            self._phases_wrapped = True
-            hooks = (
-                (getattr(self, "model_state", None), ("prepare_attn", "prepare_inputs"), "ms."),
-                (
-                    getattr(self, "kv_connector", None),
-                    ("pre_forward", "finish_forward", "no_forward"),
-                    "kv.",
-                ),
-                (getattr(self, "block_tables", None), ("apply_staged_writes",), "bt."),
-            )
-            for obj, names, pre in hooks:
-                for n in names:
-                    if obj is not None and hasattr(obj, n):
-                        setattr(obj, n, _wrap(getattr(obj, n), pre + n))
+        _hook(self)
         if k.get("dummy_run"):
             return fex(self, so, *a, **k)
         _st.d = {}
@@ -91,6 +112,7 @@ def _patch(mod):
             d["tokens"] = so.total_num_scheduled_tokens
             kv = self.vllm_config.kv_transfer_config
             d["role"] = f"{kv.kv_connector}:{kv.kv_role}" if kv else "plain"
+            _st.last_new = d["new"]
             if d["new"] or d["execute_model"] > 1.0:
                 out.write(json.dumps(d) + "\n")
 
@@ -107,7 +129,9 @@ def _patch(mod):
             _st.d = None
             d["sample_tokens"] = round((time.perf_counter() - t0) * 1e3, 3)
             d["t"] = time.time()
-            if d["sample_tokens"] > 1.0:
+            d["after_new"] = getattr(_st, "last_new", 0)
+            _st.last_new = 0
+            if d["sample_tokens"] > 1.0 or d["after_new"]:
                 out.write(json.dumps(d) + "\n")
 
     R.sample_tokens = stk
