@@ -20,7 +20,7 @@ class Case:
     path: str
     body: dict[str, Any]
     refused: bool = False  # the plain server refuses it (4xx): same status and body expected
-    raw: bytes | None = None  # sent as is instead of `body` (not JSON)
+    raw: bytes | None = None  # sent as is instead of `body` ("@MODEL@" becomes the model)
     tags: set[str] = field(default_factory=set)
 
     @property
@@ -195,4 +195,13 @@ CASES = [
     chat("chat_stream_unknown_model", refused=True, stream=True, model="no-such-model"),
     Case("not_json", COMPLETIONS, {}, refused=True, raw=b"{not json"),
     Case("not_an_object", COMPLETIONS, {}, refused=True, raw=b"[1, 2]"),
+    # JSON that Python's json reads and msgspec does not: the router's fallback
+    # (kvpush/router/jsonbody.py) must forward NaN as NaN, not as null (a default top_p)
+    Case(
+        "nan_top_p",
+        COMPLETIONS,
+        {},
+        refused=True,
+        raw=b'{"model": "@MODEL@", "prompt": "hi", "max_tokens": 4, "top_p": NaN}',
+    ),
 ]

@@ -57,7 +57,7 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
 def send(base: str, case: Case, model: str, timeout: float = 60.0) -> tuple[int, Any, float]:
     """(status, parsed answer, seconds): a JSON body, or a stream's list of events."""
     if case.raw is not None:
-        data = case.raw
+        data = case.raw.replace(b"@MODEL@", model.encode())
     else:
         data = json.dumps({"model": model, **case.body}).encode()
     req = urllib.request.Request(base + case.path, data, {"Content-Type": "application/json"})
