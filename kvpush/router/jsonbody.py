@@ -21,9 +21,9 @@ import msgspec
 
 _decoder = msgspec.json.Decoder()
 _encoder = msgspec.json.Encoder()
-# Set by parse() for the request being handled (each handler runs in its own context;
-# aiohttp runs a keep-alive connection's requests one after another in one task, so
-# parse() sets it every time): whether its legs must be written by json.
+# Whether the legs of the request being handled must be written by json: set by parse()
+# and read by dump() (tasks the handler starts copy it). aiohttp may handle a keep-alive
+# connection's requests one after another in one task, so parse() sets it every time.
 _BY_JSON: contextvars.ContextVar[bool] = contextvars.ContextVar("kvpush_body_by_json")
 
 
@@ -31,7 +31,7 @@ def parse(raw: bytes) -> Any:
     """What ``json.loads(raw)`` returns; raises what it raises."""
     try:
         body = _decoder.decode(raw)
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):  # (nesting: json's own limit decides)
         _BY_JSON.set(True)
         return json.loads(raw)
     _BY_JSON.set(False)
