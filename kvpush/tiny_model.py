@@ -75,10 +75,29 @@ GQA_SHAPE: dict[str, Any] = {
     "num_key_value_heads": 2,
     "max_position_embeddings": 33792,
 }
-SHAPES = {"tiny": MODEL_SHAPE, "bench": BENCH_SHAPE, "layers": LAYERS_SHAPE, "gqa": GQA_SHAPE}
+# For the GPU layer-wise benchmark across a link slower than the compute: multi-query
+# attention (one KV head of 64, as in Falcon-7B) and a wide MLP, about 4 M FLOP per KV byte
+# (Falcon-7B 1.7 M, PaLM-540B 9 M, Llama-70B 0.4 M), so that an 8k prompt's prefill and its
+# KV's trip over 1 Gbit/s (256 B per token and layer) take the same order of time.
+# About 8.5 B parameters (17 GB in bf16), prompts up to 32k + 64.
+MQA_SHAPE: dict[str, Any] = {
+    **GQA_SHAPE,
+    "hidden_size": 6144,
+    "intermediate_size": 24576,
+    "num_attention_heads": 96,
+    "num_key_value_heads": 1,
+    "head_dim": 64,
+}
+SHAPES = {
+    "tiny": MODEL_SHAPE,
+    "bench": BENCH_SHAPE,
+    "layers": LAYERS_SHAPE,
+    "gqa": GQA_SHAPE,
+    "mqa": MQA_SHAPE,
+}
 # Shapes whose weights are made in bf16 from the start: in float32 first, gqa's would need
 # 13 GB and twice the time. The others keep their recipe (and their bytes) as they were.
-BF16_INIT = {"gqa"}
+BF16_INIT = {"gqa", "mqa"}
 
 # Role markers as plain text, so any OpenAI chat request renders without special tokens.
 CHAT_TEMPLATE = (

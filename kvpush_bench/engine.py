@@ -61,9 +61,11 @@ class EngineRun:
     idle_cpu: dict[str, list[float]] = field(default_factory=dict)  # config -> % of a core
 
 
-def prompts_for(round_no: int, size: int, n: int, seed: int) -> list[list[int]]:
-    """``n`` distinct prompts of ``size`` tokens for one round (same for every config)."""
-    rng = random.Random(f"{seed}-{round_no}-{size}")
+def prompts_for(round_no: int, size: int, n: int, seed: int, cell: int = 0) -> list[list[int]]:
+    """``n`` distinct prompts of ``size`` tokens for one round and ``cell`` (the same for
+    every config). Servers run with vLLM's prefix caching on: no prompt may repeat one
+    the same server saw, or it would skip its prefill."""
+    rng = random.Random(f"{seed}-{round_no}-{size}-{cell}")
     return [[rng.randrange(VOCAB_LO, VOCAB_HI) for _ in range(size)] for _ in range(n)]
 
 
@@ -119,7 +121,7 @@ def _activation(opts: EngineOptions, run: EngineRun, r: int, cfg: str, log: Log)
         for size in opts.sizes:
             for conc in opts.concurrency:
                 n = -(-opts.requests // conc) * conc
-                got = run_cell(send, prompts_for(r, size, n, opts.seed), conc)
+                got = run_cell(send, prompts_for(r, size, n, opts.seed, conc), conc)
                 for s in got:
                     run.records.append(
                         Record(

@@ -17,7 +17,8 @@
 No proxy process sits in front of the in-tree pairs, so they pay one HTTP hop less than
 kvpush, whose numbers include its router.
 
-Every server gets its own core for its OpenMP threads and ``--no-enable-prefix-caching``.
+Every server gets its own core for its OpenMP threads (CPU) and vLLM's defaults otherwise,
+prefix caching on; a contender's flags can add to them (``plain-nocache`` below).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from kvpush.deploy.servers import (
 CONFIGS = ("kvpush", "push", "pull")
 LABELS = {
     "plain": "one plain vLLM server (no disaggregation)",
+    "plain-nocache": "one plain vLLM server, prefix caching off",
     "kvpush": "kvpush (router, both legs at once)",
     "push": "vLLM NixlPushConnector (client, both legs at once)",
     "pull": "vLLM NixlConnector (client, prefill then decode)",
@@ -180,12 +182,22 @@ class PlainPair(Pair):
 
     name = "plain"
 
+    args: list[str] = []
+
     def _launch(self) -> list[Proc]:
-        self.server = self._server("plain", None, 0, {})
+        self.server = self._server(self.name, None, 0, {}, self.args)
         return [self.server]
 
     def send(self, prompt: list[int], max_tokens: int, timeout: float) -> Sample:
         return _stream(self.server.url, self.model, prompt, max_tokens, timeout)
+
+
+class PlainNoCachePair(PlainPair):
+    """The reference with prefix caching off: it then skips hashing the prompt's blocks,
+    which every server with a KV connector does whatever its caching setting."""
+
+    name = "plain-nocache"
+    args = ["--no-enable-prefix-caching"]
 
 
 class KvpushPair(Pair):
@@ -325,6 +337,7 @@ def make_pair(name: str, model: str, log_dir: str, **spec: Any) -> Pair:
         return pair
     kinds: dict[str, type[Pair]] = {
         "plain": PlainPair,
+        "plain-nocache": PlainNoCachePair,
         "kvpush": KvpushPair,
         "push": InTreePushPair,
         "pull": PullPair,

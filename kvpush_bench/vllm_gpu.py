@@ -179,14 +179,17 @@ def send_batch(pair: Pair, prompts: list[list[int]], args: argparse.Namespace) -
     return [s if s is not None else Sample(False, error="no answer") for s in got]
 
 
-def warm_up(pair: Pair, sizes: tuple[int, ...], concs: tuple[int, ...], ns: Any) -> None:
+def warm_up(
+    pair: Pair, sizes: tuple[int, ...], concs: tuple[int, ...], ns: Any, round_no: int
+) -> None:
     """The same for every contender at every activation: ``--warmup`` requests of each
-    size one at a time, then one batch of each concurrency (prompts never measured)."""
+    size one at a time, then one batch of each concurrency (prompts never measured, new
+    in every round, so that prefix caching never skips a warm-up's prefill)."""
     for size in sizes:
-        for prompt in prompts_for(-1, size, ns.warmup, ns.seed):
+        for prompt in prompts_for(-1 - round_no, size, ns.warmup, ns.seed, -1):
             pair.send(prompt, ns.max_tokens, ns.timeout)
         for c in concs:
-            send_batch(pair, prompts_for(-2, size, c, ns.seed), ns)
+            send_batch(pair, prompts_for(-1 - round_no, size, c, ns.seed, -1 - c), ns)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -209,11 +212,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             k = r % len(configs)
             for cfg in configs[k:] + configs[:k]:
                 pairs[cfg].resume()
-                warm_up(pairs[cfg], sizes, concs, args)
+                warm_up(pairs[cfg], sizes, concs, args, r)
                 for size in sizes:
                     for c in concs:
                         n = -(-args.requests // c) * c
-                        prompts = prompts_for(r, size, n, args.seed)
+                        prompts = prompts_for(r, size, n, args.seed, c)
                         got: list[Sample] = []
                         for i in range(0, n, c):
                             got += send_batch(pairs[cfg], prompts[i : i + c], args)
@@ -284,14 +287,18 @@ def aggregate(
                     "e2e_ms": summary([s.total_s * 1e3 for s in got if s.ok], 2),
                 }
             plain = cell.get("plain", {}).get("ttft_ms", {})
-            for cfg in configs:
-                if cfg == "plain" or not plain:
-                    continue
-                mine = cell[cfg]["ttft_ms"]
-                cell[cfg]["overhead_ms"] = {
-                    q: None if mine[q] is None or plain[q] is None else round(mine[q] - plain[q], 2)
-                    for q in ("median", "p90")
-                }
+            # The overhead against the server users run (vLLM's defaults), and against one
+            # with prefix caching off, which skips the block hashing every connector pays.
+            for ref, key in (("plain", "overhead_ms"), ("plain-nocache", "overhead_nocache_ms")):
+                base = cell.get(ref, {}).get("ttft_ms", {})
+                for cfg in configs:
+                    if cfg.startswith("plain") or not base:
+                        continue
+                    mine = cell[cfg]["ttft_ms"]
+                    cell[cfg][key] = {
+                        q: None if None in (mine[q], base[q]) else round(mine[q] - base[q], 2)
+                        for q in ("median", "p90")
+                    }
             for cfg in configs:
                 if cfg.startswith("kvpush") and "push" in cell and plain:
                     a = cell[cfg].get("overhead_ms", {}).get("median")

@@ -64,8 +64,11 @@ def server(name: str, model: str, role: str, host: Host, hosts: HostPair, work: 
     """A server on ``host``; ``spec``: further ServerSpec fields (the GPU variant's),
     ``extra``: kvpush connector options."""
     config = kvpush_config(role, name, free_port(), side_channel_host=host.link, **extra)
+    # Prefix caching off: each round sends both modes the same prompt (their outputs are
+    # compared), and a decoder that cached the first mode's KV would take none from the second.
     fields: dict[str, Any] = {"env": hosts.env(), "max_num_batched_tokens": max_len,
-                              "max_num_seqs": 2, **(spec or {})}  # fmt: skip
+                              "max_num_seqs": 2, "extra_args": ["--no-enable-prefix-caching"],
+                              **(spec or {})}  # fmt: skip
     return VllmServer(ServerSpec(
         name, model, kv_config=config, core=core, log_dir=work, host=host.front,
         prefix=host.prefix(), max_model_len=max_len, **fields,

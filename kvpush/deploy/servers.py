@@ -207,7 +207,6 @@ class VllmServer(Proc):
             str(spec.max_model_len),
             "--max-num-seqs",
             str(spec.max_num_seqs),
-            "--no-enable-prefix-caching",
             "--host",
             spec.host,
             "--port",

@@ -8,8 +8,9 @@ it drops the fields that would make P compute more for that token (``_NOT_FOR_P`
 computes the prompt's KV and one token that nobody reads, and pushes the KV.
 
 ``n`` stays on P: vLLM runs each of the ``n`` samples as its own engine request with its
-own blocks (prefix caching off), so D needs one push per sample, and P's engine gives each
-sample its own prefill, as one plain server computes it. The connector keys each
+own blocks, so D needs one push per sample (into the blocks D's prefix cache lacks), and
+P's engine gives each sample its own prefill (from its cache where it can), as one plain
+server computes it. The connector keys each
 sub-request's push by its prompt and sample index (``kvpush.vllm.scheduler_side``).
 """
 

@@ -1,5 +1,6 @@
 """Two real vLLM servers on CPU (prefiller, decoder) with kvpush and the router in front,
-checked token for token against one plain vLLM server (prefix caching off everywhere)."""
+checked token for token against one plain vLLM server (prefix caching on everywhere, vLLM's
+default)."""
 
 from __future__ import annotations
 
@@ -48,6 +49,13 @@ SINGLE = [
     Case("chat", messages=[{"role": "user", "content": "tell me about silver moons and rivers"}]),
 ]
 CONCURRENT = [Case(f"concurrent_{i}", p) for i, p in enumerate(make_prompts(16, seed=11))]
+# Two prompts opening with the same two blocks: the second finds them in D's prefix cache
+# (cached there once the first one's KV arrived) and in P's.
+_PREFIX = ids(2 * BLOCK, 21)
+SHARED = [
+    Case("prefix_first", _PREFIX + ids(60, 22)),
+    Case("prefix_second", _PREFIX + ids(100, 23)),
+]
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +63,7 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     work = tmp_path_factory.mktemp("e2e")
     model = make_tiny_model(str(work / "model"))
     plain = VllmServer(ServerSpec("plain", model, core=0, log_dir=str(work)))
-    reference = plain_reference(plain, model, SINGLE + CONCURRENT)
+    reference = plain_reference(plain, model, SINGLE + CONCURRENT + SHARED)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("KVPUSH_SHARED_SECRET", SECRET)  # the servers inherit the environment
         cluster = Cluster(model, str(work))
@@ -105,6 +113,27 @@ def test_decoder_did_not_compute_the_prompts(env: dict[str, Any]) -> None:
     }
     assert after["external_kv_transfer"] - before["external_kv_transfer"] >= 399
     assert after["local_compute"] - before["local_compute"] <= 1  # the last prompt token
+
+
+def test_a_prefix_cached_on_d_is_not_pushed(env: dict[str, Any]) -> None:
+    """D's prefix cache holds the second prompt's first two blocks: P pushes only the
+    third, into D's last block, and the answer is still the plain server's."""
+    c: Cluster = env["cluster"]
+    first, second = SHARED
+    assert same(first.send(c.router.url, env["model"]), env["reference"][first.name])
+    source = "vllm:prompt_tokens_by_source_total"
+    pushed = metric(c.d.url, "vllm:kvpush_bytes_received_total")
+    d_hits = metric(c.d.url, source, {"source": "local_cache_hit"})
+    p_hits = metric(c.p.url, source, {"source": "local_cache_hit"})
+    got = second.send(c.router.url, env["model"])
+    assert same(got, env["reference"][second.name]), (got.text, got.error)
+    assert metric(c.d.url, "vllm:kvpush_bytes_received_total") - pushed == BYTES_PER_BLOCK
+    assert metric(c.d.url, source, {"source": "local_cache_hit"}) - d_hits == 2 * BLOCK
+    wait_until(  # P's stats for the request may come a step after its answer
+        lambda: metric(c.p.url, source, {"source": "local_cache_hit"}) - p_hits == 2 * BLOCK,
+        10,
+        what="P's prefix cache hit",
+    )
 
 
 def test_no_blocks_held_afterwards(env: dict[str, Any]) -> None:

@@ -52,9 +52,11 @@ LAYERED_CHUNK = 2048
 LAYERS = 16  # the bench model's
 LAYER_WRITES = "vllm:kvpush_layer_writes_total"
 PAIRS = ("kvpush", "layered")
-# Random weights give flat logits: a batch of another size (its own kernels and CUDA
-# graph) can flip a greedy choice between two tokens whose logprobs lie this close.
-NEAR_TIE = 0.05
+# Random weights give flat logits (five tokens within 0.2 of the best): a batch of another
+# size (its own kernels and CUDA graph), or KV that prefix caching reuses from another
+# batch's prefill, can flip a greedy choice between two tokens whose logprobs lie this
+# close (0.0625 seen once in 16 concurrent with prefix caching on, 2026-12-03).
+NEAR_TIE = 0.1
 
 
 def ids(n: int, seed: int) -> list[int]:
