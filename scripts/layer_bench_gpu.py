@@ -200,6 +200,21 @@ def measure(args: argparse.Namespace, model: str, hosts: HostPair, setup: Setup,
         out["rounds_done"] = r + 1
 
 
+def gpu_shares(row: dict[str, Any], cells: list[dict[str, Any]]) -> None:
+    """On a GPU a whole push is handed over as its forward is launched and its WRITE waits
+    on an event behind it, so P's push clock (``transfer_whole_s``) includes most of the
+    forward: the transfer after the prefill is that less the prefill, per request. The
+    shares hidden are also given against it."""
+    whole = [c for c in cells if c["size"] == row["size"] and c["mode"] == "whole" and c["ok"]]
+    after = sorted(c["push_s"] - c["prefill_s"] for c in whole if "push_s" in c)
+    t = after[len(after) // 2] if after else None
+    row["transfer_after_prefill_s"] = t
+    a, b = row["after_prefill_whole_s"], row["after_prefill_layer_s"]
+    x, y = row["ttft_whole_s"], row["ttft_layer_s"]
+    row["hidden_share_gpu"] = (a - b) / t if t and None not in (a, b) else None
+    row["hidden_share_ttft_gpu"] = (x - y) / t if t and None not in (x, y) else None
+
+
 def report(args: argparse.Namespace, out: dict[str, Any]) -> None:
     """Summaries per rate (layer_bench's), the JSON and one plot per rate."""
     out["summary"] = []
@@ -210,6 +225,7 @@ def report(args: argparse.Namespace, out: dict[str, Any]) -> None:
             sent = [c["link_bytes"] for c in cells if c["size"] == row["size"] and c["ok"]]
             row["rate"] = rate
             row["link_bytes_median"] = sorted(sent)[len(sent) // 2] if sent else None
+            gpu_shares(row, cells)
             print(json.dumps(row), flush=True)
         out["summary"] += rows
         try:
