@@ -103,6 +103,9 @@ def one_round(
         if not ok:
             raise RuntimeError(f"{mode} WRITE failed: {w} {ready}")
         out[mode] = {"write_s": w["t_done"] - w["t0"], "ready_s": ready["t_ready"] - w["t0"]}
+        if "t_write" in w:  # kvpush: until its WRITE call, and the call itself
+            out[mode]["to_post_s"] = w["t_write"] - w["t0"]
+            out[mode]["post_s"] = w["t_posted"] - w["t_write"]
     return out
 
 
@@ -143,8 +146,8 @@ def run(rates: list[str], large_mib: int, rounds: int, small_rounds: int, log: A
                         if r == 0:
                             continue
                         for mode, t in got.items():
-                            times.setdefault(f"{mode}_write_s", []).append(t["write_s"])
-                            times.setdefault(f"{mode}_ready_s", []).append(t["ready_s"])
+                            for key, value in t.items():
+                                times.setdefault(f"{mode}_{key}", []).append(value)
                     per[name] = row(n * transport.BLOCK, times)
                     log(f"{rate} {name}: {json.dumps(per[name]['headline'])}")
                 per["link_tx_mib"] = round((hosts.p.link_counter() - wire0) / MIB, 1)
@@ -170,6 +173,9 @@ def row(nbytes: int, t: dict[str, list[float]]) -> dict[str, Any]:
         head[f"{mode}_gib_s"] = out[f"{mode}_gib_s"]["median"]
         head[f"{mode}_ready_ms"] = out[f"{mode}_ready_ms"]["median"]
     for mode in KV_MODES:
+        for part in ("to_post", "post"):  # where kvpush's P time goes before the WRITE
+            if t.get(f"{mode}_{part}_s"):
+                out[f"{mode}_{part}_ms"] = summary([x * 1e3 for x in t[f"{mode}_{part}_s"]], 3)
         # Each round's raw time over kvpush's in the same round (robust to drift).
         for what, key in (("write", "ratio"), ("ready", "ready_ratio")):
             raw, kv = t[f"raw_{what}_s"], t[f"{mode}_{what}_s"]

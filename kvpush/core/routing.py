@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvpush.core.errors import LayoutError
+from kvpush.core.few_descs import SHORT_ROWS, few_uniform_descs
 from kvpush.core.layout import (
     KVLayout,
     Region,
@@ -261,6 +262,8 @@ def _uniform_descs(
     if len(s_ids) != len(d_ids):
         name = p.regions[pairs[0].src].name
         raise LayoutError(f"region {name}: {len(s_ids)} source blocks, {len(d_ids)} destination")
+    if len(pairs) * len(s_ids) * p.physical_per_logical <= SHORT_ROWS:
+        return few_uniform_descs(p, d, pairs, s_ids, d_ids)
     ps, pd = expand(s_ids, p.physical_per_logical), expand(d_ids, d.physical_per_logical)
     if not ps.size:
         return _rows([])

@@ -9,7 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvpush.core import routing
 from kvpush.core.errors import LayoutError
+from kvpush.core.few_descs import SHORT_ROWS
 from kvpush.core.layout import KVLayout, PackedMember, Region
 from kvpush.core.routing import (
     block_pieces,
@@ -259,3 +261,36 @@ def test_equal_length_coalescing_matches_the_general_one(data: st.DataObject) ->
     got = coalesce_equal(sa, da, 16)
     for w, g in zip(want, got, strict=True):
         assert w.tolist() == g.tolist()
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_few_rows_with_builtins_equal_numpy_rows(data: st.DataObject) -> None:
+    """A short push's descriptors come from builtins; they must be numpy's, row for row."""
+    ratio = data.draw(st.sampled_from([1, 2]), "physical per logical")
+    layers = data.draw(st.integers(1, 4), "regions")
+    nblocks = 16
+
+    def layout(base: int) -> KVLayout:
+        regions = [
+            Region(f"l{i}", base + i * 4096 * nblocks * ratio, 4096, nblocks * ratio, device_id=i)
+            for i in range(layers)
+        ]
+        return KVLayout(regions, block_size=16, physical_per_logical=ratio)
+
+    p, d = layout(1 << 20), layout(1 << 30)
+    pairs = pair_regions(p, d)
+    n = data.draw(st.integers(0, 8), "blocks")
+    # Runs (consecutive ids on both sides) as well as scattered ids.
+    start = data.draw(st.integers(0, nblocks - n), "start")
+    src = list(range(start, start + n))
+    dst = data.draw(st.permutations(range(nblocks)), "dst")[:n]
+    if data.draw(st.booleans(), "shuffle src"):
+        src = data.draw(st.permutations(src), "src")
+    assert len(pairs) * n * ratio <= SHORT_ROWS  # the builtins' path
+    few = build_pair_descs(p, d, pairs, [src], [dst])
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(routing, "SHORT_ROWS", 0)  # numpy's path for every push
+        with_numpy = build_pair_descs(p, d, pairs, [src], [dst])
+    for a, b in zip(few, with_numpy, strict=True):
+        assert a.dtype == b.dtype and a.tolist() == b.tolist()
