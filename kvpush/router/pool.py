@@ -226,7 +226,7 @@ def affinity_key(body: dict[str, Any], chat: bool, chars: int) -> bytes | None:
         messages = body.get("messages")
         if not messages:
             return None
-        return json.dumps(messages, sort_keys=True, default=str)[:chars].encode()
+        return _json_prefix(messages, chars).encode()
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
         prompt = prompt[0]  # several prompts: the first one's beginning
@@ -235,6 +235,26 @@ def affinity_key(body: dict[str, Any], chat: bool, chars: int) -> bytes | None:
     if isinstance(prompt, list) and prompt:
         return json.dumps(prompt[: max(1, chars // 10)]).encode()
     return None
+
+
+def _json_prefix(value: Any, chars: int) -> str:
+    """The first `chars` characters of ``json.dumps(value, sort_keys=True, default=str)``;
+    a list is written item by item only until there are enough (a long chat's every
+    message was written for its first 256 characters)."""
+    if not isinstance(value, list):
+        return json.dumps(value, sort_keys=True, default=str)[:chars]
+    parts, size = ["["], 1
+    for item in value:
+        if size > 1:
+            parts.append(", ")  # json.dumps's item separator
+            size += 2
+        parts.append(json.dumps(item, sort_keys=True, default=str))
+        size += len(parts[-1])
+        if size >= chars:
+            break
+    else:
+        parts.append("]")
+    return "".join(parts)[:chars]
 
 
 def parse_spec(role: Role, entry: Any) -> InstanceSpec:

@@ -18,7 +18,7 @@ import aiohttp
 from aiohttp import web
 
 from kvpush.router import RouterConfig, make_app, tracking
-from kvpush.router.pool import Breaker, InstanceSpec, Policy
+from kvpush.router.pool import Breaker, InstanceSpec, Policy, affinity_key
 from tests.unit.test_router import DEADLINE, serve
 
 FAST = {"health_interval": 0.05, "health_timeout": 0.5, "scrape_interval": 0.05}
@@ -414,3 +414,21 @@ def test_a_stream_whose_prefiller_left_the_pool_after_answering_is_sent_again() 
                 assert 'kvpush_router_retries_total{leg="prefill"} 1.0' in await resp.text()
 
     asyncio.run(main())
+
+
+def test_a_chat_key_is_the_beginning_of_the_whole_chat_as_json() -> None:
+    # Written message by message, only as far as needed: the same key as the whole
+    # chat's JSON cut short, so a prompt keeps its prefiller.
+    chats: list[Any] = [
+        [{"role": "user", "content": "hi"}],
+        [{"role": "system", "content": "s" * 300}, {"role": "user", "content": "x"}],
+        [{"role": "user", "content": "h\u00e9 \u2603", "z": [1, 2.5, None, True]}] * 40,
+        [{"b": 1, "a": {"d": "x", "c": float("nan")}}, "text", 7],
+        {"not": "a list"},
+        [],
+    ]
+    for chat in chats:
+        for chars in (1, 2, 10, 256, 10_000):
+            whole = json.dumps(chat, sort_keys=True, default=str)[:chars].encode()
+            got = affinity_key({"messages": chat}, True, chars)
+            assert got == (whole if chat else None)
