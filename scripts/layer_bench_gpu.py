@@ -225,7 +225,8 @@ def report(args: argparse.Namespace, out: dict[str, Any]) -> None:
             sent = [c["link_bytes"] for c in cells if c["size"] == row["size"] and c["ok"]]
             row["rate"] = rate
             row["link_bytes_median"] = sorted(sent)[len(sent) // 2] if sent else None
-            gpu_shares(row, cells)
+            if args.device == "cuda":
+                gpu_shares(row, cells)
             print(json.dumps(row), flush=True)
         out["summary"] += rows
         try:
