@@ -48,7 +48,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from layer_bench import MODES, Setup, ids, one, plot, start, summarize  # noqa: E402
+from layer_bench import MODES, Setup, ids, med, one, plot, start, summarize  # noqa: E402
 
 from kvpush.deploy.servers import VllmServer, wait_healthy  # noqa: E402
 from tests.e2e.hosts import HostPair  # noqa: E402
@@ -206,8 +206,7 @@ def gpu_shares(row: dict[str, Any], cells: list[dict[str, Any]]) -> None:
     forward: the transfer after the prefill is that less the prefill, per request. The
     shares hidden are also given against it."""
     whole = [c for c in cells if c["size"] == row["size"] and c["mode"] == "whole" and c["ok"]]
-    after = sorted(c["push_s"] - c["prefill_s"] for c in whole if "push_s" in c)
-    t = after[len(after) // 2] if after else None
+    t = med([c["push_s"] - c["prefill_s"] for c in whole if "push_s" in c])
     row["transfer_after_prefill_s"] = t
     a, b = row["after_prefill_whole_s"], row["after_prefill_layer_s"]
     x, y = row["ttft_whole_s"], row["ttft_layer_s"]
