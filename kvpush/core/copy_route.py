@@ -83,6 +83,7 @@ class CopyRoute(Route):
         peer = self.peers.get(reg.decode_host, reg.decode_port)
         if peer is None or peer.agent != armed.agent or peer.route is not self:
             return None
+        assert armed.dst is not None
         try:
             limits, blocks = self.limits, staged.block_ids
             if armed.dst.single and len(blocks) == 1 and len(limits) == 1:
@@ -104,10 +105,11 @@ class CopyRoute(Route):
     def post(self, t: PushTransfer, peer: Peer) -> Flight | None:
         assert t.reg is not None
         armed, t.armed = t.armed, None
-        if armed is None or armed.agent != peer.agent:
+        if armed is None or armed.agent != peer.agent or armed.route is not self:
             armed = self.prepare(peer, t.reg, t.dst)
             if armed is None:
                 return peer.route.post(t, peer)  # declined: the WRITE route's from now on
+        assert armed.dst is not None
         ids, nbytes = copy_src(self.limits, armed.dst, source_blocks(t.dst, t.blocks))
         try:
             signalled = self.hook.launch(armed.handle, ids, t.preq.after if t.preq else None)

@@ -29,12 +29,12 @@ DKey = tuple[str, str]  # (D agent that registered, D request id)
 
 @dataclass
 class Armed:
-    """A leg its route prepared when D registered (a copy: only P's ids are missing)."""
+    """A leg its route prepared when D registered: only P's ids are missing."""
 
     route: Route
     agent: str  # the D agent it was prepared for
-    dst: CopyDst
-    handle: object  # the route's (the peer-copy hook's)
+    dst: CopyDst | None  # a copy's D half (a WRITE's D ids were checked: None)
+    handle: object  # the route's: the peer-copy hook's prepared copy, a WRITE's region pairs
 
 
 @dataclass(slots=True)  # (made on the early launch's path: kept light)

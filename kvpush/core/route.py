@@ -11,9 +11,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from kvpush.core import layer_route, wire
-from kvpush.core.errors import PeerGoneError, TransportError
+from kvpush.core.errors import LayoutError, PeerGoneError, TransportError
+from kvpush.core.few_descs import SHORT_ROWS
+from kvpush.core.layout import validate_block_ids
 from kvpush.core.records import Armed, Flight, PendingReg, PushTransfer, source_blocks
-from kvpush.core.routing import build_pair_descs
+from kvpush.core.routing import RegionPair, build_pair_descs
 from kvpush.core.transport import WriteState
 from kvpush.core.types import StagedBlocks
 
@@ -76,6 +78,36 @@ class WriteRoute(Route):
     def __init__(self, peers: PeerTable) -> None:
         self.peers = peers  # its transport, our layout, config and stats
 
+    def arm(self, peer: Peer, reg: wire.PushReg, dst: list[np.ndarray]) -> Armed | None:
+        """D's ids checked and the region pairs found while P still computes, so that the
+        end of the prefill only builds descriptors and posts (``launch``)."""
+        if peer.route is not self:
+            return None
+        try:
+            pairs = self.peers.pairs_to(peer)
+            validate_block_ids(peer.info.layout, dst, unique_known=True)
+        except LayoutError:
+            return None  # the post meets it again and fails the leg with the reason
+        return Armed(self, peer.agent, None, pairs)
+
+    def launch(self, armed: Armed, pend: PendingReg, staged: StagedBlocks) -> Flight | None:
+        # Kept short: it runs at the end of a prefill. Anything unusual takes ``post``.
+        peer = self.peers.get(pend.reg.decode_host, pend.reg.decode_port)
+        if peer is None or peer.agent != armed.agent or peer.route is not self:
+            return None
+        if staged.after is not None and not staged.after.query():
+            return None  # the blocks' writes still run: the leg waits in ``settling``
+        assert isinstance(armed.handle, list)
+        try:
+            src_groups = source_blocks(pend.dst, staged.block_ids)
+            src, dst = self._descs(peer, armed.handle, src_groups, pend.dst, True)
+            notif = wire.encode_completion(pend.reg.request_id, self.peers.config.tp_size)
+            handle = self.peers.transport.write(peer.agent, src, dst, notif)
+        except (LayoutError, wire.WireError, TransportError):
+            return None  # the full path meets it again and fails the leg with the reason
+        self.peers.stats["write_early"] += 1
+        return self._flight(peer, handle, src)
+
     def post(self, t: PushTransfer, peer: Peer) -> Flight | None:
         assert t.reg is not None
         peers = self.peers
@@ -84,10 +116,7 @@ class WriteRoute(Route):
         src_groups = source_blocks(t.dst, t.blocks)
         if not settled(t):  # NIXL reads the bytes as they are
             return None
-        pairs = peers.pairs_to(peer)
-        src, dst = build_pair_descs(
-            peers.layout, peer.info.layout, pairs, src_groups, t.dst, dst_unique=True
-        )
+        src, dst = self._descs(peer, peers.pairs_to(peer), src_groups, t.dst, False)
         notif = wire.encode_completion(t.reg.request_id, peers.config.tp_size)
         try:
             handle = peers.transport.write(peer.agent, src, dst, notif)
@@ -96,7 +125,23 @@ class WriteRoute(Route):
             if isinstance(e, PeerGoneError):
                 peers.forget(peer.agent)
             raise TransportError(f"WRITE could not be posted: {e}") from e
-        nbytes = int(src[:, 1].sum()) if len(src) else 0
+        return self._flight(peer, handle, src)
+
+    def _descs(
+        self,
+        peer: Peer,
+        pairs: list[RegionPair],
+        src_groups: list[list[int]],
+        dst_groups: list[np.ndarray],
+        dst_checked: bool,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        p, d = self.peers.layout, peer.info.layout
+        return build_pair_descs(p, d, pairs, src_groups, dst_groups, True, dst_checked)
+
+    def _flight(self, peer: Peer, handle: object, src: np.ndarray) -> Flight:
+        # (a few rows: builtins; numpy's reduction costs more than it sums)
+        lengths = src[:, 1]
+        nbytes = sum(lengths.tolist()) if len(src) <= SHORT_ROWS else int(lengths.sum())
         return Flight(self, handle, peer.agent, len(src), nbytes)
 
     def poll(self, f: Flight) -> WriteState:

@@ -184,16 +184,19 @@ def build_pair_descs(
     src_groups: Sequence[Sequence[int] | np.ndarray],
     dst_groups: Sequence[Sequence[int] | np.ndarray],
     dst_unique: bool = False,
+    dst_checked: bool = False,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Nx3 (address, length, device) arrays: P's blocks ``src_groups`` into D's ``dst_groups``.
 
-    ``dst_unique``: D's ids were checked for duplicates already (on PUSH_REG arrival).
+    ``dst_unique``: D's ids were checked for duplicates already (on PUSH_REG arrival);
+    ``dst_checked``: checked against D's layout as well (an armed WRITE).
     """
     # Ids become int64 arrays once here (no copy if they are already), not per region.
     src_arrays = [as_ids(g) for g in src_groups]
     dst_arrays = [as_ids(g) for g in dst_groups]
     validate_block_ids(p, src_arrays)
-    validate_block_ids(d, dst_arrays, unique_known=dst_unique)
+    if not dst_checked:
+        validate_block_ids(d, dst_arrays, unique_known=dst_unique)
     if _uniform(p, d, pairs):
         group = p.regions[pairs[0].src].group, d.regions[pairs[0].dst].group
         return _uniform_descs(p, d, pairs, src_arrays[group[0]], dst_arrays[group[1]])

@@ -124,6 +124,30 @@ def test_d_with_cached_prefix_gets_the_tail(pair_factory: Callable[..., Pair]) -
         assert (d_arr[d_blocks] != p_arr[blocks[:3]]).any()  # (not the head's bytes)
 
 
+def test_a_write_armed_at_registration_posts_first_thing(
+    pair_factory: Callable[..., Pair],
+) -> None:
+    """Once P knows D, a registration that comes before P's blocks arms the WRITE, which
+    is posted before the producer's bookkeeping when the blocks come (``write_early``)."""
+    pair = pair_factory()
+    for i, (d_n, p_n) in enumerate([(2, 2), (4, 4), (3, 5)]):  # the first meets D
+        pair.register(f"d{i}", f"t{i}", d_n)
+        d_blocks = list(pair.d.d_reqs[f"d{i}"][0])
+        pair.until(lambda: len(pair.p.worker.producer.pending_regs) == 1, what="D's PUSH_REG")
+        pair.p.prefill(f"p{i}", f"t{i}", p_n)
+        blocks = pair.p.p_reqs[f"p{i}"]
+        # (the sim checks a receive's bytes against a whole prompt: the tail is checked below)
+        pair.until(lambda i=i: "recv" in pair.d_kinds(f"d{i}"), what=f"receive {i}")
+        assert i == 2 or recv_ok(pair, f"d{i}")
+        pair.until(lambda i=i: "sent" in pair.p_kinds(f"p{i}"), what="finished_sending on P")
+    # The last: D held the prompt's first two blocks, P wrote its last three into D's three.
+    for p_arr, d_arr in zip(pair.p.mem.arrays, pair.d.mem.arrays, strict=True):
+        assert (d_arr[d_blocks] == p_arr[blocks[2:]]).all()
+    st = pair.p.worker.stats
+    assert st["writes"] == 3 and st["write_early"] == 2 and st["writes_done"] == 3
+    pair.settle()
+
+
 def test_handshake_failure_on_d_fails_the_receive(pair_factory: Callable[..., Pair]) -> None:
     pair = pair_factory()
     pair.d.register("d1", "t1", 2, "P", "127.0.0.1", free_port())  # nothing listens there

@@ -69,7 +69,8 @@ def test_a_decline_switches_the_peer_for_good_until_it_is_forgotten() -> None:
     assert other.route.arm(other, push_reg(1), dst) is None
     assert other.route is peers.write and peers.stats["copy_declined"] == 1
     # for good: the next registration goes straight to the WRITE, asking the hook nothing
-    assert other.route.arm(other, push_reg(1), dst) is None
+    armed = other.route.arm(other, push_reg(1), dst)
+    assert armed is not None and armed.route is peers.write and armed.dst is None
     assert peers.stats["copy_declined"] == 1
     armed = near.route.arm(near, push_reg(2), dst)  # another peer keeps its copy
     assert armed is not None and armed.route is near.route and armed.agent == "D2"
@@ -124,3 +125,46 @@ def test_a_receive_that_ends_otherwise_gives_its_words_back() -> None:
         assert not copies.waiting and not copies.covered()
     finally:
         copies.close()
+
+
+class Event:
+    """A device event as the WRITE route sees it: ``query()`` says whether it is done."""
+
+    def __init__(self, done: bool) -> None:
+        self.done = done
+
+    def query(self) -> bool:
+        return self.done
+
+
+def test_an_armed_write_posts_only_checked_ids_behind_a_finished_event() -> None:
+    from kvpush.core.records import PendingReg
+    from kvpush.core.types import StagedBlocks
+
+    peers = table(None)
+    peer = meet(peers, "D1", 1, None)
+    fabric = peers.transport.fabric  # type: ignore[attr-defined]
+    fabric.agents["D1"].register(LAYOUT)
+    fabric.hold_writes = True  # (LAYOUT's addresses are not memory: nothing is copied)
+    route = peer.route
+    assert isinstance(route, WriteRoute)
+    # D's ids are checked when it registers: one outside D's 16 blocks arms nothing, so
+    # the full path meets it at the post and fails the leg with the reason.
+    assert route.arm(peer, push_reg(1), [np.array([1, 16])]) is None
+    dst = [np.array([1, 2])]
+    armed = route.arm(peer, push_reg(1), dst)
+    assert armed is not None and armed.route is route and armed.agent == "D1"
+    pend = PendingReg(push_reg(1), "D1", 0.0, dst, armed)
+    # P's blocks still being written: not launched (the leg waits in the sender's settling).
+    assert route.launch(armed, pend, StagedBlocks("p1", [[7, 8, 9]], None, Event(False))) is None
+    assert peers.stats["write_early"] == 0
+    # Written: posted at once, P's last two blocks (D holds the prompt's first block).
+    flight = route.launch(armed, pend, StagedBlocks("p1", [[7, 8, 9]], None, Event(True)))
+    assert flight is not None and peers.stats["write_early"] == 1
+    assert flight.agent == "D1" and flight.units == 1 and flight.nbytes == 2 * 64
+    (write,) = fabric.writes
+    assert write.src.tolist() == [[4096 + 8 * 64, 128, 0]]
+    assert write.dst.tolist() == [[4096 + 1 * 64, 128, 0]]
+    # P's ids outside its own layout: declined, for the full path to fail it.
+    assert route.launch(armed, pend, StagedBlocks("p2", [[15, 16]])) is None
+    assert peers.stats["write_early"] == 1
