@@ -24,9 +24,10 @@ def few_uniform_descs(
     p: KVLayout, d: KVLayout, pairs: Sequence[RegionPair], s_ids: Any, d_ids: Any
 ) -> tuple[np.ndarray, np.ndarray]:
     """Nx3 (address, length, device) rows, pair by pair, one per run of physical blocks
-    contiguous on both sides; every pair moves whole blocks of one size."""
+    contiguous on both sides (in P's order); every pair moves whole blocks of one size."""
     runs: list[list[int]] = []  # [first P id, first D id, count], physical
-    for s, t in zip(_physical(s_ids, p), _physical(d_ids, d), strict=True):
+    # In P's order, as routing.in_source_order: descending runs on both sides merge too.
+    for s, t in sorted(zip(_physical(s_ids, p), _physical(d_ids, d), strict=True)):
         if runs and s == runs[-1][0] + runs[-1][2] and t == runs[-1][1] + runs[-1][2]:
             runs[-1][2] += 1
         else:

@@ -212,6 +212,7 @@ def _per_pair_descs(
 ) -> tuple[np.ndarray, np.ndarray]:
     """``build_pair_descs`` for any pairs, one region pair at a time."""
     pieces: list[tuple[np.ndarray, np.ndarray, np.ndarray, int, int]] = []
+    ordered: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
     for pair in pairs:
         lr, rr = p.regions[pair.src], d.regions[pair.dst]
         s_ids, d_ids = src_arrays[lr.group], dst_arrays[rr.group]
@@ -221,6 +222,10 @@ def _per_pair_descs(
             )
         if not len(s_ids):
             continue
+        key = (lr.group, rr.group)
+        if key not in ordered:
+            ordered[key] = in_source_order(s_ids, d_ids)
+        s_ids, d_ids = ordered[key]
         if pair.whole and (lr.block_len, p.physical_per_logical) == (
             rr.block_len,
             d.physical_per_logical,
@@ -241,6 +246,17 @@ def _per_pair_descs(
             sa, da, ln = _segment_pieces(p, d, lr, rr, pair.segments, s_ids, d_ids)
         pieces.append((sa, da, ln, lr.device_id, rr.device_id))
     return _rows(pieces)
+
+
+def in_source_order(s_ids: np.ndarray, d_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The (P id, D id) pairs sorted by P's id. An engine that reuses the blocks it freed
+    last first (vLLM's allocator) hands a request runs of descending ids, on P and on D
+    alike; in P's order those are ascending runs on both sides, which merge into one
+    descriptor each. Where the WRITE's pieces land does not depend on their order."""
+    if len(s_ids) < 2:
+        return s_ids, d_ids
+    order = np.argsort(s_ids, kind="stable")
+    return s_ids[order], d_ids[order]
 
 
 def _uniform(p: KVLayout, d: KVLayout, pairs: Sequence[RegionPair]) -> bool:
@@ -267,6 +283,7 @@ def _uniform_descs(
         raise LayoutError(f"region {name}: {len(s_ids)} source blocks, {len(d_ids)} destination")
     if len(pairs) * len(s_ids) * p.physical_per_logical <= SHORT_ROWS:
         return few_uniform_descs(p, d, pairs, s_ids, d_ids)
+    s_ids, d_ids = in_source_order(s_ids, d_ids)
     ps, pd = expand(s_ids, p.physical_per_logical), expand(d_ids, d.physical_per_logical)
     if not ps.size:
         return _rows([])

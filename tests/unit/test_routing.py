@@ -144,6 +144,48 @@ def test_coalescing_with_equal_tp_is_one_run_per_region() -> None:
     assert len(s) == 2
 
 
+@pytest.mark.parametrize("short", [True, False])
+def test_runs_descending_on_both_sides_merge_in_ps_order(short: bool) -> None:
+    """vLLM reuses the blocks it freed last first: a request's ids then run downwards on P
+    and on D alike. Taken in P's order they are one run per region, on both paths."""
+    m = Model(layers=2, heads=4, mla=False, packed=False, nblocks=16)
+    p, d = rank_layout(m, 1, 0, 1, 0), rank_layout(m, 1, 0, 1, 0)
+    src, dst = [9, 8, 7, 6, 2], [5, 4, 3, 2, 11]  # a descending run of 4, then a lone block
+    with pytest.MonkeyPatch.context() as mp:
+        if not short:
+            mp.setattr(routing, "SHORT_ROWS", 0)  # numpy's path
+        s, t = build_pair_descs(p, d, pair_regions(p, d), [src], [dst])
+    blen = CHUNK * m.heads
+    for k, region_base in enumerate([0, blen * m.nblocks]):  # two regions, rows pair by pair
+        assert s[2 * k : 2 * k + 2].tolist() == [
+            [region_base + 2 * blen, blen, 0],
+            [region_base + 6 * blen, 4 * blen, 0],
+        ]
+        assert t[2 * k : 2 * k + 2].tolist() == [
+            [region_base + 11 * blen, blen, 0],
+            [region_base + 2 * blen, 4 * blen, 0],
+        ]
+
+
+def test_vllms_block_order_gives_one_descriptor_per_region() -> None:
+    """vLLM's own allocator, on P and on D, serving the same requests one after another:
+    each request's blocks, taken in P's order, are one run on both sides."""
+    from vllm.v1.core.block_pool import BlockPool
+
+    m = Model(layers=2, heads=4, mla=False, packed=False, nblocks=64)
+    p, d = rank_layout(m, 1, 0, 1, 0), rank_layout(m, 1, 0, 1, 0)
+    pools = BlockPool(m.nblocks, False, 16), BlockPool(m.nblocks, False, 16)
+    given_order_runs = []
+    for n in (8, 9, 10, 11):  # each request one block longer than the last
+        src, dst = ([b.block_id for b in pool.get_new_blocks(n)] for pool in pools)
+        s, _ = build_pair_descs(p, d, pair_regions(p, d), [src], [dst])
+        assert len(s) == m.layers  # one run per region
+        given_order_runs.append(1 + sum(b - a != 1 for a, b in zip(src, src[1:], strict=False)))
+        for pool, ids in zip(pools, (src, dst), strict=True):  # as vLLM frees a request
+            pool.free_blocks(reversed([pool.blocks[i] for i in ids]))
+    assert given_order_runs == [1, 9, 3, 11]  # what the ids' own order would have given
+
+
 def test_head_slices_from_two_p_ranks_into_one_d_rank() -> None:
     m = Model(layers=1, heads=4, mla=False, packed=False, nblocks=8)
     d = rank_layout(m, 1, 0, 1, 0)
