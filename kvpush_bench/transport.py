@@ -7,8 +7,8 @@ WRITEs move the same blocks (P's ``src`` ids into D's ``dst`` ids), in rotating 
 
 - raw: P builds one descriptor per block, posts one WRITE with a notification and
   busy-polls ``check_xfer_state`` until DONE (timed on P from building the descriptors).
-- raw_runs: the same with one descriptor per run of blocks contiguous on both sides (what
-  a careful hand-written NIXL caller would post).
+- raw_runs: the same with one descriptor per run of blocks contiguous on both sides, the
+  blocks taken in P's order (what a careful hand-written NIXL caller would post).
 - kvpush: D's worker has registered ``dst`` with P (``PUSH_REG``, not timed); P's engine
   hands its worker the finished blocks (``start_step``), timed until the worker sees the
   WRITE DONE (its ``transport.check``): matching, descriptors (one per contiguous run),
@@ -88,9 +88,17 @@ def block_lists(pattern: str, n: int, seed: int) -> tuple[list[int], list[int]]:
     return chunked(n, rng), chunked(n, rng)
 
 
+def in_p_order(src: list[int], dst: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """The (P block, D block) pairs sorted by P's block, as kvpush takes them."""
+    s, d = np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64)
+    order = np.argsort(s, kind="stable")
+    return s[order], d[order]
+
+
 def runs(src: list[int], dst: list[int]) -> int:
-    """Descriptors needed: positions where either side's next id is not the next block."""
-    s, d = np.asarray(src), np.asarray(dst)
+    """Descriptors needed: in P's order, positions where either side's next id is not the
+    next block."""
+    s, d = in_p_order(src, dst)
     if s.size == 0:
         return 0
     return 1 + int(np.count_nonzero((np.diff(s) != 1) | (np.diff(d) != 1)))
@@ -174,8 +182,12 @@ class _Side:
             return np.stack([addr, length, np.zeros_like(addr)], axis=1)
 
         t0 = time.monotonic()
-        s = self.base + np.asarray(src, dtype=np.int64) * BLOCK
-        d = self.peer_base + np.asarray(dst, dtype=np.int64) * BLOCK
+        if merge:  # the runs kvpush finds: in P's order
+            s_ids, d_ids = in_p_order(src, dst)
+        else:
+            s_ids, d_ids = np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64)
+        s = self.base + s_ids * BLOCK
+        d = self.peer_base + d_ids * BLOCK
         length = np.full(s.size, BLOCK, dtype=np.int64)
         if merge:
             first = np.ones(s.size, dtype=bool)

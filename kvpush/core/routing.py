@@ -27,6 +27,7 @@ from kvpush.core.layout import (
     as_ids,
     expand,
     extents,
+    in_source_order,
     pair_extents,
     validate_block_ids,
 )
@@ -246,17 +247,6 @@ def _per_pair_descs(
             sa, da, ln = _segment_pieces(p, d, lr, rr, pair.segments, s_ids, d_ids)
         pieces.append((sa, da, ln, lr.device_id, rr.device_id))
     return _rows(pieces)
-
-
-def in_source_order(s_ids: np.ndarray, d_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The (P id, D id) pairs sorted by P's id. An engine that reuses the blocks it freed
-    last first (vLLM's allocator) hands a request runs of descending ids, on P and on D
-    alike; in P's order those are ascending runs on both sides, which merge into one
-    descriptor each. Where the WRITE's pieces land does not depend on their order."""
-    if len(s_ids) < 2:
-        return s_ids, d_ids
-    order = np.argsort(s_ids, kind="stable")
-    return s_ids[order], d_ids[order]
 
 
 def _uniform(p: KVLayout, d: KVLayout, pairs: Sequence[RegionPair]) -> bool:

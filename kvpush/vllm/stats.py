@@ -21,6 +21,7 @@ _DOCS = {
     "bytes_received": "KV bytes prefillers pushed into this decoder (kvpush)",
     "pushes_sent": "Requests whose KV this prefiller pushed, by path: copy or nixl (kvpush)",
     "pushes_received": "Requests whose KV arrived here by push (kvpush)",
+    "write_descriptors": "NIXL descriptors this prefiller's WRITEs posted (kvpush)",
     "push_failures": "Failed pushes and receives, by cause (kvpush)",
     "early_hand_overs": "Requests this prefiller pushed at the end of their forward (kvpush)",
     "layer_writes": "WRITEs of one layer's blocks, for prompts pushed layer by layer (kvpush)",

@@ -27,6 +27,9 @@ COUNTERS: dict[str, tuple[str, ...]] = {
     "pushes_sent:copy": ("copies_done",),  # same host: CUDA IPC copy into D's blocks
     "pushes_sent:nixl": ("writes_done",),  # NIXL WRITE
     "pushes_received": ("recv_done",),
+    # NIXL descriptors posted: one per run of blocks contiguous on both sides, per layer
+    # region; many per push means scattered blocks (each a separate transfer for UCX).
+    "write_descriptors": ("write_descs",),
     "early_hand_overs": ("handed_over",),
     "layer_writes": ("layer_writes",),  # WRITEs of one layer (layerwise_min_tokens)
     "layers_unreported": ("layers_unreported",),  # ... posted at the forward's end instead

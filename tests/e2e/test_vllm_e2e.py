@@ -22,6 +22,7 @@ pytestmark = pytest.mark.e2e
 BLOCK = 128  # vLLM's CPU block size
 BYTES_PER_BLOCK = 2 * 64 * 1024  # tiny model: 2 layers x one 64 KiB block each
 EARLY = "vllm:kvpush_early_hand_overs_total"
+DESCS = "vllm:kvpush_write_descriptors_total"
 SECRET = "e2e-shared-secret-4d0c2a9e"  # P and D prove it to each other at every handshake
 
 
@@ -123,6 +124,7 @@ def test_a_prefix_cached_on_d_is_not_pushed(env: dict[str, Any]) -> None:
     assert same(first.send(c.router.url, env["model"]), env["reference"][first.name])
     source = "vllm:prompt_tokens_by_source_total"
     pushed = metric(c.d.url, "vllm:kvpush_bytes_received_total")
+    descs = metric(c.p.url, DESCS)
     d_hits = metric(c.d.url, source, {"source": "local_cache_hit"})
     p_hits = metric(c.p.url, source, {"source": "local_cache_hit"})
     got = second.send(c.router.url, env["model"])
@@ -134,6 +136,8 @@ def test_a_prefix_cached_on_d_is_not_pushed(env: dict[str, Any]) -> None:
         10,
         what="P's prefix cache hit",
     )
+    # One block in each of the two layers: a descriptor each.
+    wait_until(lambda: metric(c.p.url, DESCS) - descs == 2, 10, what="P's descriptor count")
 
 
 def test_no_blocks_held_afterwards(env: dict[str, Any]) -> None:
