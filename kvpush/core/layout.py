@@ -199,9 +199,10 @@ def expand(logical: Sequence[int] | np.ndarray, ratio: int) -> np.ndarray:
 
 def in_source_order(s_ids: np.ndarray, d_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The (P id, D id) pairs sorted by P's id. An engine that reuses the blocks it freed
-    last first (vLLM's allocator) hands a request runs of descending ids, on P and on D
-    alike; in P's order those are ascending runs on both sides, which merge into one
-    descriptor each. Where the WRITE's pieces land does not depend on their order."""
+    last first (vLLM's allocator, for blocks without a prefix-cache hash) hands a request
+    runs of descending ids, on P and on D alike; in P's order those are ascending runs on
+    both sides, which merge into one descriptor each. Where the WRITE's pieces land does
+    not depend on their order."""
     if len(s_ids) < 2:
         return s_ids, d_ids
     order = np.argsort(s_ids, kind="stable")

@@ -168,8 +168,9 @@ def test_runs_descending_on_both_sides_merge_in_ps_order(short: bool) -> None:
 
 
 def test_vllms_block_order_gives_one_descriptor_per_region() -> None:
-    """vLLM's own allocator, on P and on D, serving the same requests one after another:
-    each request's blocks, taken in P's order, are one run on both sides."""
+    """vLLM's own allocator, on P and on D, serving the same requests one after another
+    with prefix caching off (or blocks without a hash), whose freed blocks it hands out
+    again last-freed first: each request's blocks, in P's order, are one run on both sides."""
     from vllm.v1.core.block_pool import BlockPool
 
     m = Model(layers=2, heads=4, mla=False, packed=False, nblocks=64)
