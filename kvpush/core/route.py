@@ -95,16 +95,16 @@ class WriteRoute(Route):
         peer = self.peers.get(pend.reg.decode_host, pend.reg.decode_port)
         if peer is None or peer.agent != armed.agent or peer.route is not self:
             return None
-        if staged.after is not None and not staged.after.query():
-            return None  # the blocks' writes still run: the leg waits in ``settling``
         assert isinstance(armed.handle, list)
         try:
+            if staged.after is not None and not staged.after.query():
+                return None  # the blocks' writes still run: the leg waits in ``settling``
             src_groups = source_blocks(pend.dst, staged.block_ids)
             src, dst = self._descs(peer, armed.handle, src_groups, pend.dst, True)
             notif = wire.encode_completion(pend.reg.request_id, self.peers.config.tp_size)
             handle = self.peers.transport.write(peer.agent, src, dst, notif)
-        except (LayoutError, wire.WireError, TransportError):
-            return None  # the full path meets it again and fails the leg with the reason
+        except Exception:  # nothing was posted: the full path meets it again, with the reason
+            return None
         self.peers.stats["write_early"] += 1
         return self._flight(peer, handle, src)
 

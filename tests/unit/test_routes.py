@@ -155,8 +155,12 @@ def test_an_armed_write_posts_only_checked_ids_behind_a_finished_event() -> None
     armed = route.arm(peer, push_reg(1), dst)
     assert armed is not None and armed.route is route and armed.agent == "D1"
     pend = PendingReg(push_reg(1), "D1", 0.0, dst, armed)
-    # P's blocks still being written: not launched (the leg waits in the sender's settling).
+    # P's blocks still being written: not launched (the leg waits in the sender's settling),
+    # nor when asking fails (the full path asks again and fails the leg with the reason).
     assert route.launch(armed, pend, StagedBlocks("p1", [[7, 8, 9]], None, Event(False))) is None
+    broken = Event(True)
+    broken.query = lambda: 1 / 0  # type: ignore[method-assign]
+    assert route.launch(armed, pend, StagedBlocks("p1", [[7, 8, 9]], None, broken)) is None
     assert peers.stats["write_early"] == 0
     # Written: posted at once, P's last two blocks (D holds the prompt's first block).
     flight = route.launch(armed, pend, StagedBlocks("p1", [[7, 8, 9]], None, Event(True)))
