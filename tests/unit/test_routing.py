@@ -146,8 +146,9 @@ def test_coalescing_with_equal_tp_is_one_run_per_region() -> None:
 
 @pytest.mark.parametrize("short", [True, False])
 def test_runs_descending_on_both_sides_merge_in_ps_order(short: bool) -> None:
-    """vLLM reuses the blocks it freed last first: a request's ids then run downwards on P
-    and on D alike. Taken in P's order they are one run per region, on both paths."""
+    """vLLM reuses the blocks it freed last first (those without a prefix-cache hash): a
+    request's ids then run downwards on P and on D alike. Taken in P's order they are one
+    run per region, on both paths."""
     m = Model(layers=2, heads=4, mla=False, packed=False, nblocks=16)
     p, d = rank_layout(m, 1, 0, 1, 0), rank_layout(m, 1, 0, 1, 0)
     src, dst = [9, 8, 7, 6, 2], [5, 4, 3, 2, 11]  # a descending run of 4, then a lone block
