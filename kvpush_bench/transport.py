@@ -39,6 +39,7 @@ from typing import Any
 
 import numpy as np
 
+from kvpush.core.layout import in_source_order
 from kvpush_bench.stats import ratio, summary
 
 Log = Callable[[str], None]
@@ -88,17 +89,10 @@ def block_lists(pattern: str, n: int, seed: int) -> tuple[list[int], list[int]]:
     return chunked(n, rng), chunked(n, rng)
 
 
-def in_p_order(src: list[int], dst: list[int]) -> tuple[np.ndarray, np.ndarray]:
-    """The (P block, D block) pairs sorted by P's block, as kvpush takes them."""
-    s, d = np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64)
-    order = np.argsort(s, kind="stable")
-    return s[order], d[order]
-
-
 def runs(src: list[int], dst: list[int]) -> int:
-    """Descriptors needed: in P's order, positions where either side's next id is not the
-    next block."""
-    s, d = in_p_order(src, dst)
+    """Descriptors needed: in P's order (as kvpush takes them), positions where either
+    side's next id is not the next block."""
+    s, d = in_source_order(np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64))
     if s.size == 0:
         return 0
     return 1 + int(np.count_nonzero((np.diff(s) != 1) | (np.diff(d) != 1)))
@@ -182,10 +176,9 @@ class _Side:
             return np.stack([addr, length, np.zeros_like(addr)], axis=1)
 
         t0 = time.monotonic()
+        s_ids, d_ids = np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64)
         if merge:  # the runs kvpush finds: in P's order
-            s_ids, d_ids = in_p_order(src, dst)
-        else:
-            s_ids, d_ids = np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64)
+            s_ids, d_ids = in_source_order(s_ids, d_ids)
         s = self.base + s_ids * BLOCK
         d = self.peer_base + d_ids * BLOCK
         length = np.full(s.size, BLOCK, dtype=np.int64)
