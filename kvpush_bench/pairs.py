@@ -67,6 +67,7 @@ class Sample:
     error: str = ""
     request_id: str = ""  # the X-Request-Id the answer carried (kvpush: the transfer id)
     sent_at: float = 0.0  # wall clock at send (lines the sample up with stage traces)
+    second_s: float = 0.0  # time to the second token (the event after the first)
 
 
 class Pair(ABC):
@@ -174,7 +175,9 @@ def _stream(
     )
     ok = r.ok and r.ttft_s > 0
     error = r.error or ("" if ok else "no token")
-    return Sample(ok, r.ttft_s, r.total_s, r.prompt_tokens, error, r.request_id, r.sent_at)
+    return Sample(
+        ok, r.ttft_s, r.total_s, r.prompt_tokens, error, r.request_id, r.sent_at, r.second_s
+    )
 
 
 class PlainPair(Pair):

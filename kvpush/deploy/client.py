@@ -18,6 +18,7 @@ class Reply:
     token_ids: list[int] = field(default_factory=list)
     prompt_tokens: int = 0
     ttft_s: float = 0.0
+    second_s: float = 0.0  # streamed: when the next event with text came (the 2nd token)
     total_s: float = 0.0
     status: int = 0
     error: str = ""
@@ -122,6 +123,8 @@ def _read_stream(
                 reply.ttft_s = time.perf_counter() - start
                 if first_token is not None:
                     first_token.set()
+            elif not reply.second_s:
+                reply.second_s = time.perf_counter() - start
             reply.text += piece
             reply.token_ids += list(choice.get("token_ids") or [])
     reply.total_s = time.perf_counter() - start

@@ -33,7 +33,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypeVar
 
 import aiohttp
@@ -43,12 +43,11 @@ from kvpush.core import trace
 from kvpush.router import (
     admin,
     bodies,
+    head,
     info,
     jsonbody,
     legs,
     replies,
-    sse,
-    tracking,
     upkeep,
     wire,
 )
@@ -64,17 +63,15 @@ from kvpush.router.config import (
 )
 from kvpush.router.metrics import RouterMetrics
 from kvpush.router.pool import Instance, Pool, Role, affinity_key
-from kvpush.router.tracking import leg, refusal, retrieve, succeeded, timed, using
+from kvpush.router.streaming import REFUSAL_GRACE_S, Outcome, serve_stream, settle
+from kvpush.router.tracking import leg, refusal, succeeded
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-Outcome = web.StreamResponse | legs.LegError  # a LegError: failed before the client got a byte
 
 # Long prompts are legitimate; aiohttp's default 1 MiB request limit is not enough.
 _MAX_REQUEST_BYTES = 64 * 1024 * 1024
-# How long to wait for D's own refusal once P refused (both validate the same fields).
-_REFUSAL_GRACE_S = 1.0
 
 
 def make_app(config: RouterConfig) -> web.Application:
@@ -205,23 +202,23 @@ async def _attempt(
     """One try of the request on the pair (p, d), both legs at once."""
     app = request.app
     cfg, metrics = app[CONFIG], app[METRICS]
-    pbody = bodies.prefill_body(body, tid, chat)
+    early = stream and head.eligible(body, chat)  # P's first token may go to the client
+    pbody = (head.prefill_body if early else bodies.prefill_body)(body, tid, chat)
+    call = legs.call_unary(app[UPSTREAMS], "prefill", p.url + path, pbody, headers, cfg.timeout)
     # Created before anything is awaited: both legs run concurrently.
-    prefill = asyncio.create_task(
-        leg(
-            metrics,
-            p,
-            legs.call_unary(app[UPSTREAMS], "prefill", p.url + path, pbody, headers, cfg.timeout),
-        )
-    )
+    prefill = asyncio.create_task(leg(metrics, p, _checked(call) if early else call))
     if trace.ON:  # P's answer (its first token, as one plain server would send it)
         prefill.add_done_callback(lambda _: trace.mark("router.p_answer", tid))
     dbody = bodies.decode_body(body, tid, p.spec.side_channel, cfg.decode_kv_extra)
     log.debug("transfer %s: legs started on %s and %s (stream=%s)", tid, p.url, d.url, stream)
     if stream:
         args = (request, path, dbody, dict(headers), prefill, tid, p, d)
-        return await _serve_stream(*args, retry_ok)
+        return await serve_stream(*args, retry_ok, chat if early else None)
     return await _serve_unary(request, path, dbody, dict(headers), prefill, tid, d)
+
+
+async def _checked(call: Awaitable[legs.LegResult]) -> legs.LegResult:
+    return head.check_answer(await call)
 
 
 async def _until_decode_done(prefill: asyncio.Task[Any], decode: asyncio.Task[T]) -> T:
@@ -237,44 +234,12 @@ async def _until_decode_done(prefill: asyncio.Task[Any], decode: asyncio.Task[T]
         if prefill.done() and not prefill.cancelled() and prefill.exception() is not None:
             err = prefill.exception()
             if isinstance(err, legs.LegError) and err.refused:
-                await asyncio.wait({decode}, timeout=_REFUSAL_GRACE_S)
+                await asyncio.wait({decode}, timeout=REFUSAL_GRACE_S)
                 own = refusal(decode)
                 if own is not None:
                     raise own
             raise err  # type: ignore[misc]
     return decode.result()
-
-
-def _settle(
-    app: web.Application, tid: str, prefill: asyncio.Task[Any], decode_ok: bool, *others: Any
-) -> None:
-    """Cancel what is left of a request; keep a still-running prefill leg only on success."""
-    for task in others:
-        if isinstance(task, asyncio.Task):
-            # Its error (say, a write to a client that left) is the handler's to report;
-            # retrieved here so that it is not logged again as never retrieved.
-            task.add_done_callback(retrieve)
-            task.cancel()
-    if prefill.done() or not decode_ok:
-        prefill.add_done_callback(retrieve)
-        prefill.cancel()
-        return
-    background = app[BACKGROUND]
-    metrics = app[METRICS]
-    background.add(prefill)
-
-    def _done(task: asyncio.Task[Any]) -> None:
-        background.discard(task)
-        if task.cancelled():
-            return
-        exc = task.exception()
-        if isinstance(exc, legs.LegError):
-            metrics.error(exc.leg, exc.kind)
-            log.warning("transfer %s: prefill failed after decode finished: %s", tid, exc)
-        elif exc is not None:
-            log.error("transfer %s: prefill leg crashed", tid, exc_info=exc)
-
-    prefill.add_done_callback(_done)
 
 
 async def _serve_unary(
@@ -297,104 +262,9 @@ async def _serve_unary(
     except legs.LegError as err:
         return err
     finally:
-        _settle(app, tid, prefill, ok, decode)
+        settle(app, tid, prefill, ok, decode)
     return web.Response(
         body=result.body,
         status=result.status,
         headers={"Content-Type": result.content_type, "X-Request-Id": tid},
     )
-
-
-async def _serve_stream(
-    request: web.Request,
-    path: str,
-    dbody: dict[str, Any],
-    headers: dict[str, str],
-    prefill: asyncio.Task[Any],
-    tid: str,
-    p: Instance,
-    d: Instance,
-    retry_ok: bool,
-) -> Outcome:
-    """The decode stream. The client's 200 waits for D's first chunk (D's headers come at
-    once, its first chunk with the first token), so a failure before it can be retried."""
-    app = request.app
-    cfg, metrics = app[CONFIG], app[METRICS]
-    with using(metrics, d) as verdict:
-        interrupt = tracking.Interrupt(prefill, p, _REFUSAL_GRACE_S)
-        try:
-            upstream, first = await _open_first(app, d.url + path, dbody, headers, retry_ok)
-            err = tracking.prefill_first(prefill, None)
-            if err is not None:
-                upstream.close()
-        except legs.LegError as own:
-            err = tracking.prefill_first(prefill, own)
-        except asyncio.CancelledError:
-            err = interrupt.caught()
-            if err is None:
-                _settle(app, tid, prefill, False)
-                raise
-        except BaseException:
-            _settle(app, tid, prefill, False)
-            raise
-        finally:
-            interrupt.close()
-        if err is not None:
-            _settle(app, tid, prefill, False)
-            if not isinstance(err, legs.LegError):
-                raise err
-            if err.leg == "decode":
-                verdict.judge(err)
-            return err
-        trace.mark("router.first_chunk", tid)
-        # From here the client has a 200: a later failure can only be reported in-stream.
-        out = web.StreamResponse(
-            status=upstream.status,
-            headers={
-                "Content-Type": upstream.headers.get("Content-Type", "text/event-stream"),
-                "Cache-Control": "no-cache",
-                "X-Request-Id": tid,
-            },
-        )
-        client = sse.chunked_to(request, out)
-        ok = False
-        try:
-            await out.prepare(request)
-            trace.mark("router.prepared", tid)
-            relay = timed(metrics, d, sse.pump(upstream, out, "decode", cfg.timeout, first, client))
-            if not succeeded(prefill):  # its failure ends the stream, in-stream
-                relay = tracking.watched(prefill, relay, _REFUSAL_GRACE_S)
-            ok = await replies.relayed(app, out, tid, relay, verdict)
-        except ConnectionError:
-            log.info("transfer %s: client went away mid-stream", tid)
-        finally:
-            # An unfinished stream's connection is closed, not pooled: D sees the hang-up
-            # and aborts the request.
-            upstream.release() if ok else upstream.close()
-            _settle(app, tid, prefill, ok)
-        verdict.ok = ok
-    if ok:
-        await replies.end(out)
-    return out
-
-
-async def _open_first(
-    app: web.Application, url: str, dbody: dict[str, Any], headers: dict[str, str], check: bool
-) -> tuple[wire.Response, bytes]:
-    """Open the decode stream and read its first chunk. With `check`, a stream that
-    begins with a server-side error event (vLLM's 5xx after its 200: say, no KV in time)
-    is a `LegError`, so the request can be sent again; without, it is relayed as is."""
-    timeout = app[CONFIG].timeout
-    upstream = await legs.open_stream(app[UPSTREAMS], "decode", url, dbody, headers, timeout)
-    try:
-        first = await legs.read_chunk(upstream, "decode", timeout)
-        if not first:
-            raise legs.LegError("decode", "connection", "the stream ended before any event")
-        code = sse.error_code(first) if check else None
-        if code is not None and code >= 500:
-            detail = first[:500].decode("utf-8", errors="replace")
-            raise legs.LegError("decode", "upstream", f"stream began with {detail}", code)
-    except BaseException:
-        upstream.close()
-        raise
-    return upstream, first

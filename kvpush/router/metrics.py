@@ -89,6 +89,18 @@ class RouterMetrics:
             ["role"],
             registry=r,
         )
+        self._first_token = Counter(
+            _PREFIX + "first_token_total",
+            "Streamed requests that could take P's first token (kvpush.router.head), by "
+            "which leg's first token the client got: prefill (P answered first) or decode.",
+            ["leg"],
+            registry=r,
+        )
+        self._first_mismatch = Counter(
+            _PREFIX + "first_token_mismatch_total",
+            "Streams where D's first token differed from P's, which the client already had.",
+            registry=r,
+        )
 
         # Children of the per-request series, by metric and labels: `labels()` takes a
         # lock and builds a key on every call, several times per request.
@@ -128,6 +140,12 @@ class RouterMetrics:
 
     def unavailable(self, role: str) -> None:
         self._unavailable.labels(role).inc()
+
+    def first_token(self, leg: str) -> None:
+        self._child(self._first_token, leg).inc()
+
+    def first_token_mismatch(self) -> None:
+        self._first_mismatch.inc()
 
     def watch(self, describe: Callable[[], list[dict[str, Any]]]) -> None:
         """Report the pools' state, as `describe()` gives it, at every scrape."""

@@ -190,7 +190,9 @@ def test_client_hang_up_cancels_both_legs(env: dict[str, Any], tmp_path: Path) -
         req = urllib.request.Request(router.url + COMPLETIONS, json.dumps(body).encode(), headers)
         try:
             with urllib.request.urlopen(req, timeout=60):
-                assert link.passed_first.is_set()  # (the router's 200 waits for it)
+                # The router's 200 comes with P's first token (kvpush.router.head) or
+                # D's: the client leaves only once D's first event is through.
+                assert link.passed_first.wait(30), "D's first event never went through"
             # The router ends D's stream though D is silent; D resumes only then, so it
             # meets the hang-up at once (resumed earlier, a fast D could finish first).
             assert link.closed_by_router.wait(10), "D's stream open 10 s after the client left"

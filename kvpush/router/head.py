@@ -1,0 +1,239 @@
+"""The client's first token from P's answer, for a streamed request.
+
+P computes the prompt and its first token, as one plain server does. D computes that token
+again from the pushed KV before it sends anything: its scheduler's notice, a step and the
+async-scheduling lag come first (10-12 ms on one H200, docs/benchmarks.md). When D's first
+token cannot differ from P's (greedy or seeded sampling), the client gets P's events for
+that token as soon as P answers, and then D's stream without D's copy of them.
+
+Only requests whose first events depend on that token alone qualify (`eligible`): no
+stop strings (a plain server holds back text that may start one), no logprobs, no tools
+or structured output (their parsers shape the deltas), one choice, room for a second
+token. P's leg for them is streamed like the client's (`prefill_body`), so its events
+are the ones a plain server writes; the token's event is the last of P's stream, so its
+``finish_reason`` is rewritten to none (`from_answer`). `Trim` then takes D's role
+event and D's copy of the token out of D's stream.
+
+Numerically, D's recomputed token can still differ from P's (a near tie): the client
+then keeps P's, and D's copy is dropped all the same (`Trim.mismatch`, counted).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from kvpush.router import bodies, legs
+
+# Fields whose presence changes the first events beyond the token: tool and structured
+# output parsers, logprobs, echo, stop strings (held-back text), more than one choice.
+_SHAPING = (
+    "tools",
+    "functions",
+    "tool_choice",
+    "response_format",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "logprobs",
+    "top_logprobs",
+    "echo",
+    "stop",
+)
+_END = b"\n\n"
+_DONE = b"data: [DONE]"
+# Chat delta fields a token's text can be in (a reasoning parser splits it).
+_TEXT_FIELDS = frozenset(("content", "reasoning", "reasoning_content"))
+
+
+def eligible(body: dict[str, Any], chat: bool) -> bool:
+    """Whether the client can get P's first token (the request is streamed, D's first token
+    is P's, and the first events depend on nothing else)."""
+    if body.get("stream") is not True or body.get("n") not in (None, 1):
+        return False
+    if not all(_unset(body.get(name)) for name in _SHAPING):
+        return False
+    if not chat and not _one_prompt(body.get("prompt")):
+        return False
+    for name in ("max_tokens", "max_completion_tokens") if chat else ("max_tokens",):
+        most = body.get(name)
+        if most is not None and not (_is_int(most) and most >= 2):
+            return False
+    temperature = body.get("temperature")
+    greedy = isinstance(temperature, int | float) and not isinstance(temperature, bool)
+    return (greedy and temperature == 0) or _is_int(body.get("seed"))
+
+
+def _unset(value: Any) -> bool:
+    # `logprobs: 0` asks for the chosen token's logprob: set, though falsy.
+    return value is None or value is False or (isinstance(value, str | list) and not value)
+
+
+def _one_prompt(prompt: Any) -> bool:
+    """A completions prompt that is one prompt (several get a choice each)."""
+    if isinstance(prompt, str):
+        return True
+    if not isinstance(prompt, list):
+        return False
+    return len(prompt) == 1 or (bool(prompt) and all(_is_int(t) for t in prompt))
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def prefill_body(body: dict[str, Any], transfer_id: str, chat: bool) -> dict[str, Any]:
+    """The prefill leg of an eligible request: streamed as the client's, one token."""
+    out = bodies.prefill_body(body, transfer_id, chat)
+    out["stream"] = True
+    if body.get("stream_options") is not None:
+        out["stream_options"] = body["stream_options"]
+    return out
+
+
+def check_answer(result: legs.LegResult) -> legs.LegResult:
+    """P's streamed answer, or the `LegError` of the error event in it (a failure after
+    its 200, as vLLM reports one)."""
+    for event in _events(result.body):
+        obj = _payload(event)
+        if isinstance(obj, dict) and "error" in obj:
+            err = obj["error"] if isinstance(obj["error"], dict) else {}
+            code = err.get("code") if _is_int(err.get("code")) else 500
+            detail = event[:500].decode("utf-8", errors="replace")
+            payload = event.strip()[5:].strip()  # a 4xx goes to the client as it is
+            raise legs.LegError("prefill", "upstream", f"stream failed: {detail}", code, payload)
+    return result
+
+
+@dataclass(frozen=True)
+class Head:
+    """What the client gets from P: the events, and what of them D's stream repeats."""
+
+    events: bytes  # the role event (chat) and the token's event, as a plain server's
+    texts: dict[str, str]  # the token's strings: delta fields (chat) or {"text": ...}
+    ids: int  # token ids the token's event carried (``return_token_ids``)
+
+
+def from_answer(data: bytes, chat: bool) -> Head | None:
+    """The head of P's streamed answer; None when it is not one token that a plain
+    server would send as is (it ended for another reason than its length, or its text is
+    empty or an incomplete character)."""
+    events = [e for e in _events(data) if not e.startswith(_DONE)]
+    out = []
+    if chat:
+        if not events or "role" not in _delta(_payload(events[0])):
+            return None
+        out.append(events.pop(0))
+    if not events:
+        return None
+    obj = _payload(events[0])
+    choice = _choice(obj)
+    if choice is None or choice.get("finish_reason") != "length":
+        return None
+    fields = _delta(obj) if chat else choice
+    keys = set(fields) & _TEXT_FIELDS if chat else {"text"}
+    texts = {k: fields[k] for k in keys if isinstance(fields.get(k), str)}
+    if chat and set(fields) - _TEXT_FIELDS:
+        return None  # a role or tool call beside the text: not one plain token event
+    text = "".join(texts.values())
+    if not text or "\ufffd" in text:
+        return None
+    choice["finish_reason"] = None
+    if chat:
+        choice.pop("stop_reason", None)  # a chat chunk has it only when finished
+    obj.pop("system_fingerprint", None)  # only on a finished chunk
+    out.append(_event(obj))
+    ids = choice.get("token_ids")
+    return Head(b"".join(out), texts, len(ids) if isinstance(ids, list) else 0)
+
+
+class Trim:
+    """D's stream minus what the client got from P: fed D's pieces in order, it returns
+    what to pass on. It drops D's role event (chat) and takes the head's text and token
+    ids off the front of D's first token event; once past it, pieces pass as they are."""
+
+    def __init__(self, head: Head, chat: bool) -> None:
+        self.head, self.chat = head, chat
+        self.role_left = chat
+        self.done = False
+        self.mismatch = False  # D's first token was not P's
+        self._buf = b""
+
+    def feed(self, piece: bytes) -> bytes:
+        if self.done:
+            return piece
+        self._buf += piece
+        out = []
+        while not self.done and (end := self._buf.find(_END)) >= 0:
+            event, self._buf = self._buf[: end + len(_END)], self._buf[end + len(_END) :]
+            out.append(self._one(event))
+        if self.done:
+            out.append(self._buf)
+            self._buf = b""
+        return b"".join(out)
+
+    def _one(self, event: bytes) -> bytes:
+        obj = _payload(event)
+        choice = _choice(obj)
+        if choice is None:  # an error event, or anything unexpected: passed on
+            self.done = True
+            return event
+        if self.role_left and "role" in _delta(obj):
+            self.role_left = False
+            return b""
+        self.done = True
+        fields = _delta(obj) if self.chat else choice
+        for key, text in self.head.texts.items():
+            got = fields.get(key)
+            if isinstance(got, str) and got.startswith(text):
+                fields[key] = got[len(text) :]
+            else:
+                self.mismatch = True
+        if self.mismatch:  # the client keeps P's token: D's differing copy goes
+            for key in self.head.texts:
+                fields[key] = ""
+        ids = choice.get("token_ids")
+        if isinstance(ids, list):
+            del ids[: self.head.ids]
+        left = any(fields.get(k) for k in self.head.texts) or bool(ids)
+        if not left and choice.get("finish_reason") is None:
+            return b""
+        return _event(obj)
+
+
+def _events(data: bytes) -> list[bytes]:
+    return [e + _END for e in data.split(_END) if e.strip()]
+
+
+def _payload(event: bytes) -> Any:
+    text = event.strip()
+    if not text.startswith(b"data:") or text.startswith(_DONE):
+        return None
+    try:
+        return json.loads(text[5:])
+    except ValueError:
+        return None
+
+
+def _choice(obj: Any) -> dict[str, Any] | None:
+    if not isinstance(obj, dict):
+        return None
+    choices = obj.get("choices")
+    if not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], dict):
+        return None
+    return choices[0] if choices[0].get("index") == 0 else None
+
+
+def _delta(obj: Any) -> dict[str, Any]:
+    choice = _choice(obj)
+    delta = choice.get("delta") if choice is not None else None
+    return delta if isinstance(delta, dict) else {}
+
+
+def _event(obj: Any) -> bytes:
+    # vLLM writes its events compact and UTF-8 (pydantic's JSON): the same here.
+    data = json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
+    return b"data: " + data.encode() + _END

@@ -1,0 +1,254 @@
+"""The streamed answer of a split request, and the end of a request's legs (`settle`).
+
+The client's 200 waits for the first thing it gets: D's first chunk (D's headers come at
+once, its first chunk with the first token), or, for a request that qualifies
+(`head.eligible`), P's answer with the first token when it comes first (`head`); the
+client then gets D's stream without D's copy of that token. A failure before the client's
+200 is returned as a `LegError` (the caller may send the request again); after it, it is
+reported in-stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+
+from kvpush.core import trace
+from kvpush.router import head, legs, replies, sse, tracking, wire
+from kvpush.router.config import BACKGROUND, CONFIG, METRICS, UPSTREAMS
+from kvpush.router.metrics import RouterMetrics
+from kvpush.router.pool import Instance
+from kvpush.router.tracking import retrieve, succeeded, timed, using
+
+log = logging.getLogger("kvpush.router.app")
+
+# How long to wait for D's own refusal once P refused (both validate the same fields).
+REFUSAL_GRACE_S = 1.0
+Outcome = web.StreamResponse | legs.LegError  # a LegError: failed before the client got a byte
+_Opened = tuple[wire.Response, bytes]  # D's stream and its first piece
+
+
+def settle(
+    app: web.Application, tid: str, prefill: asyncio.Task[Any], decode_ok: bool, *others: Any
+) -> None:
+    """Cancel what is left of a request; keep a still-running prefill leg only on success."""
+    for task in others:
+        if isinstance(task, asyncio.Task):
+            # Its error (say, a write to a client that left) is the handler's to report;
+            # retrieved here so that it is not logged again as never retrieved.
+            task.add_done_callback(retrieve)
+            task.cancel()
+    if prefill.done() or not decode_ok:
+        prefill.add_done_callback(retrieve)
+        prefill.cancel()
+        return
+    background = app[BACKGROUND]
+    metrics = app[METRICS]
+    background.add(prefill)
+
+    def _done(task: asyncio.Task[Any]) -> None:
+        background.discard(task)
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if isinstance(exc, legs.LegError):
+            metrics.error(exc.leg, exc.kind)
+            log.warning("transfer %s: prefill failed after decode finished: %s", tid, exc)
+        elif exc is not None:
+            log.error("transfer %s: prefill leg crashed", tid, exc_info=exc)
+
+    prefill.add_done_callback(_done)
+
+
+async def serve_stream(
+    request: web.Request,
+    path: str,
+    dbody: dict[str, Any],
+    headers: dict[str, str],
+    prefill: asyncio.Task[Any],
+    tid: str,
+    p: Instance,
+    d: Instance,
+    retry_ok: bool,
+    chat: bool | None = None,
+) -> Outcome:
+    """The decode stream; with `chat` (not None), P's first token may come first."""
+    app = request.app
+    cfg, metrics = app[CONFIG], app[METRICS]
+    url = d.url + path
+    with using(metrics, d) as verdict:
+        interrupt = tracking.Interrupt(prefill, p, REFUSAL_GRACE_S)
+        opening: asyncio.Task[_Opened] | None = None
+        got: _Opened | head.Head | None = None
+        try:
+            if chat is None:
+                got = await open_first(app, url, dbody, headers, retry_ok)
+            else:
+                opening = asyncio.create_task(open_first(app, url, dbody, headers, retry_ok))
+                got = await _first_of(opening, prefill, chat)
+                metrics.first_token("prefill" if isinstance(got, head.Head) else "decode")
+            err = tracking.prefill_first(prefill, None)
+        except legs.LegError as own:
+            err = tracking.prefill_first(prefill, own)
+        except asyncio.CancelledError:
+            err = interrupt.caught()
+            if err is None:
+                _abandon(opening, got)
+                settle(app, tid, prefill, False)
+                raise
+        except BaseException:
+            _abandon(opening, got)
+            settle(app, tid, prefill, False)
+            raise
+        finally:
+            interrupt.close()
+        if err is not None:
+            _abandon(opening, got)
+            settle(app, tid, prefill, False)
+            if not isinstance(err, legs.LegError):
+                raise err
+            if err.leg == "decode":
+                verdict.judge(err)
+            return err
+        assert got is not None
+        trace.mark("router.first_chunk", tid)
+        # From here the client has a 200: a later failure can only be reported in-stream.
+        upstream: wire.Response | None = None
+        if isinstance(got, head.Head):
+            assert opening is not None and chat is not None
+            ctype = prefill.result().content_type
+            start, status = got.events, 200
+            copy = _after_head(opening, got, chat, prefill, p, cfg.timeout, metrics)
+        else:
+            upstream, start = got
+            ctype = upstream.headers.get("Content-Type", "text/event-stream")
+            status = upstream.status
+        out = web.StreamResponse(
+            status=status,
+            headers={"Content-Type": ctype, "Cache-Control": "no-cache", "X-Request-Id": tid},
+        )
+        client = sse.chunked_to(request, out)
+        ok = False
+        try:
+            await out.prepare(request)
+            trace.mark("router.prepared", tid)
+            if upstream is None:
+                await out.write(start)
+                relay = timed(metrics, d, copy(out, client))
+            else:
+                pump = sse.pump(upstream, out, "decode", cfg.timeout, start, client)
+                relay = timed(metrics, d, pump)
+            if not succeeded(prefill):  # its failure ends the stream, in-stream
+                relay = tracking.watched(prefill, relay, REFUSAL_GRACE_S)
+            ok = await replies.relayed(app, out, tid, relay, verdict)
+        except ConnectionError:
+            log.info("transfer %s: client went away mid-stream", tid)
+        finally:
+            # An unfinished stream's connection is closed, not pooled: D sees the hang-up
+            # and aborts the request.
+            upstream = upstream or _opened(opening)
+            if upstream is not None:
+                upstream.release() if ok else upstream.close()
+            _stop(opening)
+            settle(app, tid, prefill, ok)
+        verdict.ok = ok
+    if ok:
+        await replies.end(out)
+    return out
+
+
+async def _first_of(
+    opening: asyncio.Task[_Opened], prefill: asyncio.Task[Any], chat: bool
+) -> _Opened | head.Head:
+    """D's first chunk, or P's first token when P's answer comes first and has one."""
+    await asyncio.wait((opening, prefill), return_when=asyncio.FIRST_COMPLETED)
+    if not opening.done() and succeeded(prefill):
+        got = head.from_answer(prefill.result().body, chat)
+        if got is not None:
+            return got
+    return await opening
+
+
+def _after_head(
+    opening: asyncio.Task[_Opened],
+    first: head.Head,
+    chat: bool,
+    prefill: asyncio.Task[Any],
+    p: Instance,
+    timeout: float,
+    metrics: RouterMetrics,
+) -> Callable[[web.StreamResponse, Any], Awaitable[bool]]:
+    """The relay of D's stream once the client has P's first token: D's first piece (a
+    P that answered and then left the pool never pushes: an in-stream error at once),
+    then D's stream without its copy of the head."""
+
+    async def rest(out: web.StreamResponse, client: Any) -> bool:
+        interrupt = tracking.Interrupt(prefill, p, REFUSAL_GRACE_S)
+        try:
+            upstream, piece = await opening
+        except asyncio.CancelledError:
+            reason = interrupt.caught()
+            if reason is None:
+                raise
+            raise reason from None
+        finally:
+            interrupt.close()
+        trim = head.Trim(first, chat)
+        piece = trim.feed(piece)
+        while not trim.done:
+            more = await legs.read_chunk(upstream, "decode", timeout)
+            if not more:
+                break
+            piece += trim.feed(more)
+        if trim.mismatch:
+            metrics.first_token_mismatch()
+            log.warning("D's first token differed from P's, which the client has")
+        return await sse.pump(upstream, out, "decode", timeout, piece, client)
+
+    return rest
+
+
+def _opened(opening: asyncio.Task[_Opened] | None) -> wire.Response | None:
+    if opening is None or not succeeded(opening):
+        return None
+    return opening.result()[0]
+
+
+def _abandon(opening: asyncio.Task[_Opened] | None, got: Any) -> None:
+    """Close D's stream of a request that ends before its relay, open or still opening."""
+    upstream = got[0] if isinstance(got, tuple) else _opened(opening)
+    if upstream is not None:
+        upstream.close()
+    _stop(opening)
+
+
+def _stop(opening: asyncio.Task[_Opened] | None) -> None:
+    if opening is not None:
+        opening.add_done_callback(retrieve)
+        opening.cancel()  # open_first closes what it opened; a done task is left as it is
+
+
+async def open_first(
+    app: web.Application, url: str, dbody: dict[str, Any], headers: dict[str, str], check: bool
+) -> _Opened:
+    """Open the decode stream and read its first chunk. With `check`, a stream that
+    begins with a server-side error event (vLLM's 5xx after its 200: say, no KV in time)
+    is a `LegError`, so the request can be sent again; without, it is relayed as is."""
+    timeout = app[CONFIG].timeout
+    upstream = await legs.open_stream(app[UPSTREAMS], "decode", url, dbody, headers, timeout)
+    try:
+        first = await legs.read_chunk(upstream, "decode", timeout)
+        if not first:
+            raise legs.LegError("decode", "connection", "the stream ended before any event")
+        code = sse.error_code(first) if check else None
+        if code is not None and code >= 500:
+            detail = first[:500].decode("utf-8", errors="replace")
+            raise legs.LegError("decode", "upstream", f"stream began with {detail}", code)
+    except BaseException:
+        upstream.close()
+        raise
+    return upstream, first

@@ -1,0 +1,250 @@
+"""P's first token to the client (kvpush.router.head): which requests qualify, P's events
+as a plain server's, D's stream without its copy; and through the router with stub
+upstreams that stream as vLLM does."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import pytest
+from aiohttp import web
+
+from kvpush.router import head, legs
+from tests.unit.test_router import DEADLINE, running, stub
+
+GREEDY = {"model": "m", "prompt": "hello", "max_tokens": 8, "stream": True, "temperature": 0}
+CHAT = {
+    "model": "m",
+    "messages": [{"role": "user", "content": "hi"}],
+    "max_completion_tokens": 8,
+    "stream": True,
+    "seed": 3,
+    "temperature": 0.8,
+}
+
+
+def ev(obj: Any) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+def text_event(text: str, finish: str | None = None, ids: list[int] | None = None) -> bytes:
+    choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": None}
+    choice.update(finish_reason=finish, stop_reason=None)
+    if ids is not None:
+        choice["token_ids"] = ids
+    return ev({"id": "cmpl-x", "object": "text_completion", "created": 1, "choices": [choice]})
+
+
+def role_event() -> bytes:
+    delta = {"role": "assistant", "content": ""}
+    return ev({"id": "c", "choices": [{"index": 0, "delta": delta, "finish_reason": None}]})
+
+
+def chat_event(content: str, finish: str | None = None) -> bytes:
+    choice: dict[str, Any] = {"index": 0, "delta": {"content": content}, "logprobs": None}
+    choice["finish_reason"] = finish
+    if finish is not None:
+        choice["stop_reason"] = None
+    obj: dict[str, Any] = {"id": "c", "choices": [choice]}
+    if finish is not None:
+        obj["system_fingerprint"] = "fp"
+    return ev(obj)
+
+
+DONE = b"data: [DONE]\n\n"
+
+
+@pytest.mark.parametrize(
+    ("change", "chat", "ok"),
+    [
+        ({}, False, True),
+        ({}, True, True),
+        ({"temperature": 0.7}, False, False),  # sampled without a seed: D's would differ
+        ({"temperature": None}, False, False),  # the server's default: unknown here
+        ({"temperature": 0.7, "seed": 5}, False, True),
+        ({"stream": False}, False, False),
+        ({"n": 2}, False, False),
+        ({"stop": ["x"]}, False, False),
+        ({"stop": []}, False, True),
+        ({"logprobs": 0}, False, False),
+        ({"echo": True}, False, False),
+        ({"max_tokens": 1}, False, False),
+        ({"max_tokens": None}, False, True),
+        ({"prompt": ["a", "b"]}, False, False),
+        ({"prompt": [1, 2, 3]}, False, True),
+        ({"prompt": [[1, 2]]}, False, True),
+        ({"response_format": {"type": "json_object"}}, False, False),
+        ({"tools": [{"type": "function"}]}, True, False),
+        ({"logprobs": True}, True, False),
+        ({"max_completion_tokens": 1}, True, False),
+    ],
+)
+def test_which_requests_qualify(change: dict[str, Any], chat: bool, ok: bool) -> None:
+    body = {**(CHAT if chat else GREEDY), **change}
+    assert head.eligible({k: v for k, v in body.items() if v is not None}, chat) is ok
+
+
+def test_the_prefill_leg_is_streamed_like_the_clients() -> None:
+    body = {**GREEDY, "stream_options": {"include_usage": True}, "logprobs": None}
+    out = head.prefill_body(body, "t1", chat=False)
+    assert out["stream"] is True and out["max_tokens"] == 1
+    assert out["stream_options"] == {"include_usage": True}
+    assert out["kv_transfer_params"] == {"do_remote_decode": True, "transfer_id": "t1"}
+
+
+def test_ps_completion_token_event_is_sent_as_an_unfinished_one() -> None:
+    answer = text_event(" the", "length", [5]) + DONE
+    got = head.from_answer(answer, chat=False)
+    assert got is not None and got.texts == {"text": " the"} and got.ids == 1
+    assert got.events == text_event(" the", None, [5])
+
+
+def test_ps_chat_events_lose_only_what_marks_the_end() -> None:
+    usage = ev({"id": "c", "choices": [], "usage": {"completion_tokens": 1}})
+    got = head.from_answer(role_event() + chat_event("Hi", "length") + usage + DONE, chat=True)
+    assert got is not None
+    # The role event as P sent it; the token event without finish, stop reason and
+    # fingerprint, as a plain server's unfinished chunk; the usage event is D's to send.
+    assert got.events == role_event() + chat_event("Hi")
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        text_event(" the", "stop") + DONE,  # an end of sequence: D decides alone
+        text_event("", "length") + DONE,  # nothing to show yet (part of a character)
+        text_event("\ufffd", "length") + DONE,
+        b'data: {"error": {"code": 500}}\n\n' + DONE,
+        b"not a stream at all",
+    ],
+)
+def test_an_answer_that_is_not_one_plain_token_gives_no_head(answer: bytes) -> None:
+    assert head.from_answer(answer, chat=False) is None
+
+
+def test_a_chat_answer_without_its_role_event_gives_no_head() -> None:
+    assert head.from_answer(chat_event("Hi", "length") + DONE, chat=True) is None
+
+
+def feed_bytewise(trim: head.Trim, data: bytes) -> bytes:
+    return b"".join(trim.feed(data[i : i + 1]) for i in range(len(data)))
+
+
+def test_ds_role_event_and_first_token_are_dropped_in_pieces_of_any_size() -> None:
+    h = head.from_answer(role_event() + chat_event("Hi", "length") + DONE, chat=True)
+    assert h is not None
+    d = role_event() + chat_event("Hi") + chat_event(" there") + chat_event("!", "length") + DONE
+    out = feed_bytewise(head.Trim(h, chat=True), d)
+    assert out == chat_event(" there") + chat_event("!", "length") + DONE
+
+
+def test_a_joined_event_loses_only_the_heads_text_and_ids() -> None:
+    h = head.from_answer(text_event(" the", "length", [5]) + DONE, chat=False)
+    assert h is not None
+    trim = head.Trim(h, chat=False)
+    out = trim.feed(text_event(" the cat", None, [5, 9]) + text_event(".", "length", [2]))
+    assert out == text_event(" cat", None, [9]) + text_event(".", "length", [2])
+    assert not trim.mismatch
+
+
+def test_a_differing_first_token_from_d_is_dropped_and_counted() -> None:
+    h = head.from_answer(text_event(" the", "length") + DONE, chat=False)
+    assert h is not None
+    trim = head.Trim(h, chat=False)
+    assert trim.feed(text_event(" a") + text_event(" cat")) == text_event(" cat")
+    assert trim.mismatch
+
+
+def test_an_error_event_from_d_passes_and_ends_trimming() -> None:
+    h = head.from_answer(text_event(" the", "length") + DONE, chat=False)
+    assert h is not None
+    error = b'data: {"error": {"code": 500, "message": "no KV"}}\n\n'
+    assert head.Trim(h, chat=False).feed(error + DONE) == error + DONE
+
+
+def test_an_error_event_in_ps_stream_fails_the_prefill_leg() -> None:
+    answer = text_event(" a", "length") + b'data: {"error": {"code": 503}}\n\n' + DONE
+    with pytest.raises(legs.LegError) as caught:
+        head.check_answer(legs.LegResult(200, answer, "text/event-stream"))
+    assert caught.value.leg == "prefill" and caught.value.http_status == 502
+
+
+# --- through the router ----------------------------------------------------------------
+
+
+def test_the_client_gets_ps_token_before_d_sends_anything() -> None:
+    """D writes nothing until the client has its first event: that event can only be P's.
+    Then the client gets D's stream without D's copy of the token."""
+    client_has_first = asyncio.Event()
+    seen: dict[str, Any] = {}
+
+    async def prefill(request: web.Request) -> web.StreamResponse:
+        seen["p"] = await request.json()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(text_event(" the", "length") + DONE)
+        return resp
+
+    async def decode(request: web.Request) -> web.StreamResponse:
+        await request.json()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await asyncio.wait_for(client_has_first.wait(), DEADLINE)
+        for event in (text_event(" the"), text_event(" cat"), text_event(".", "length"), DONE):
+            await resp.write(event)
+        return resp
+
+    async def main() -> tuple[list[bytes], bytes]:
+        events = []
+        async with running(stub(prefill), stub(decode)) as (url, cl):
+            async with asyncio.timeout(2 * DEADLINE):
+                async with cl.post(url + "/v1/completions", json=GREEDY) as resp:
+                    assert resp.status == 200
+                    async for line in resp.content:
+                        if line.startswith(b"data: "):
+                            events.append(line + b"\n")
+                            client_has_first.set()
+                async with cl.get(url + "/metrics") as m:
+                    metrics = await m.read()
+        return events, metrics
+
+    events, metrics = asyncio.run(main())
+    want = [text_event(" the"), text_event(" cat"), text_event(".", "length"), DONE]
+    assert events == want
+    assert seen["p"]["stream"] is True and seen["p"]["max_tokens"] == 1
+    assert b'kvpush_router_first_token_total{leg="prefill"} 1.0' in metrics
+
+
+def test_a_decoder_that_fails_after_ps_token_ends_the_stream_with_an_error_event() -> None:
+    async def prefill(request: web.Request) -> web.StreamResponse:
+        await request.json()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(text_event(" the", "length") + DONE)
+        return resp
+
+    p_answered = asyncio.Event()
+
+    async def decode(request: web.Request) -> web.Response:
+        await asyncio.wait_for(p_answered.wait(), DEADLINE)
+        return web.json_response({"error": "engine dead"}, status=500)
+
+    async def main() -> list[bytes]:
+        events = []
+        async with running(stub(prefill), stub(decode)) as (url, cl):
+            async with asyncio.timeout(2 * DEADLINE):
+                async with cl.post(url + "/v1/completions", json=GREEDY) as resp:
+                    assert resp.status == 200
+                    async for line in resp.content:
+                        if line.startswith(b"data: "):
+                            events.append(line[6:].strip())
+                            p_answered.set()
+        return events
+
+    events = asyncio.run(main())
+    assert json.loads(events[0])["choices"][0]["text"] == " the"
+    error = json.loads(events[1])["error"]
+    assert error["leg"] == "decode" and error["code"] == 502
+    assert events[2:] == [b"[DONE]"]
