@@ -119,8 +119,10 @@ class Head:
 
 def from_answer(data: bytes, chat: bool) -> Head | None:
     """The head of P's streamed answer; None when it is not one token that a plain
-    server would send as is (it ended for another reason than its length, or its text is
-    empty or an incomplete character)."""
+    server would send as is (it ended for another reason than its length, or its text
+    shows an incomplete character as U+FFFD). An empty text (the token is the first part
+    of a character) is sent as a plain server sends it: empty; D's copy then adds nothing
+    to take off."""
     events = [e for e in _events(data) if not e.startswith(_DONE)]
     out = []
     if chat:
@@ -138,9 +140,8 @@ def from_answer(data: bytes, chat: bool) -> Head | None:
     texts = {k: fields[k] for k in keys if isinstance(fields.get(k), str)}
     if chat and set(fields) - _TEXT_FIELDS:
         return None  # a role or tool call beside the text: not one plain token event
-    text = "".join(texts.values())
-    if not text or "\ufffd" in text:
-        return None
+    if not texts or any("\ufffd" in t for t in texts.values()):
+        return None  # a plain server holds back what a finished stream shows as U+FFFD
     choice["finish_reason"] = None
     if chat:
         choice.pop("stop_reason", None)  # a chat chunk has it only when finished

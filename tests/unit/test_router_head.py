@@ -26,7 +26,9 @@ CHAT = {
 
 
 def ev(obj: Any) -> bytes:
-    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+    # As vLLM writes its events: compact, UTF-8 (pydantic).
+    data = json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
+    return b"data: " + data.encode() + b"\n\n"
 
 
 def text_event(text: str, finish: str | None = None, ids: list[int] | None = None) -> bytes:
@@ -114,7 +116,6 @@ def test_ps_chat_events_lose_only_what_marks_the_end() -> None:
     "answer",
     [
         text_event(" the", "stop") + DONE,  # an end of sequence: D decides alone
-        text_event("", "length") + DONE,  # nothing to show yet (part of a character)
         text_event("\ufffd", "length") + DONE,
         b'data: {"error": {"code": 500}}\n\n' + DONE,
         b"not a stream at all",
@@ -122,6 +123,17 @@ def test_ps_chat_events_lose_only_what_marks_the_end() -> None:
 )
 def test_an_answer_that_is_not_one_plain_token_gives_no_head(answer: bytes) -> None:
     assert head.from_answer(answer, chat=False) is None
+
+
+def test_a_token_without_text_yet_is_sent_empty_and_ds_text_passes_whole() -> None:
+    # The first part of a character: a plain server sends "" for it, then the character
+    # with the next token; D's copy of the empty token goes, its next text passes.
+    h = head.from_answer(text_event("", "length", [7]) + DONE, chat=False)
+    assert h is not None and h.events == text_event("", None, [7])
+    trim = head.Trim(h, chat=False)
+    assert trim.feed(text_event("", None, [7]) + text_event("é")) == text_event("é")
+    joined = head.Trim(h, chat=False).feed(text_event("é", None, [7, 8]))
+    assert joined == text_event("é", None, [8])
 
 
 def test_a_chat_answer_without_its_role_event_gives_no_head() -> None:
