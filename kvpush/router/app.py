@@ -18,9 +18,10 @@ keep the client from ever hanging:
   refusal (same as a plain server's) is preferred if it comes within a moment.
 
 A leg that fails (connection, 5xx) before the client got a byte (unary: any time; stream:
-before D's first event, which the client's 200 waits for) sends the whole request again,
-with a new transfer id, on another pair without the failed instance (at most
-`RouterConfig.retries` times); after the first byte the failure is reported in-stream.
+before the first token, D's or P's, which the client's 200 waits for: `streaming.py`)
+sends the whole request again, with a new transfer id, on another pair without the
+failed instance (at most `RouterConfig.retries` times); after the first byte the failure
+is reported in-stream.
 
 A request P cannot help with (``bodies.decoder_alone``: prompt logprobs, beam search,
 prompt embeddings, a body that is not a JSON object) goes to the decoder alone, as sent.

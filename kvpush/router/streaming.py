@@ -150,7 +150,8 @@ async def serve_stream(
         finally:
             # An unfinished stream's connection is closed, not pooled: D sees the hang-up
             # and aborts the request.
-            upstream = upstream or _opened(opening)
+            if upstream is None:
+                upstream = _opened(opening)
             if upstream is not None:
                 upstream.release() if ok else upstream.close()
             _stop(opening)
