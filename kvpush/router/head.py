@@ -8,14 +8,15 @@ that token as soon as P answers, and then D's stream without D's copy of them.
 
 Only requests whose first events depend on that token alone qualify (`eligible`): no
 stop strings (a plain server holds back text that may start one), no logprobs, no tools
-or structured output (their parsers shape the deltas), one choice, room for a second
-token. P's leg for them is streamed like the client's (`prefill_body`), so its events
+or structured output (their parsers shape the deltas), one choice of one prompt, room
+for a second token. P's leg for them is streamed like the client's (`prefill_body`), so its events
 are the ones a plain server writes; the token's event is the last of P's stream, so its
 ``finish_reason`` is rewritten to none (`from_answer`). `Trim` then takes D's role
 event and D's copy of the token out of D's stream.
 
 Numerically, D's recomputed token can still differ from P's (a near tie): the client
-then keeps P's, and D's copy is dropped all the same (`Trim.mismatch`, counted).
+then keeps P's, and D's copy is dropped all the same (`Trim.mismatch`, counted); D's
+later tokens follow from its own copy.
 """
 
 from __future__ import annotations
