@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import signal
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -28,7 +29,7 @@ from kvpush.deploy.servers import RouterProc, ServerSpec, VllmServer, metric, wa
 from kvpush.tiny_model import make_tiny_model
 from tests.conftest import wait_until
 from tests.e2e.cut_link import CutLink
-from tests.e2e.router_cases import CASES, COMPLETIONS, PROMPT, Case, ids
+from tests.e2e.router_cases import CASES, CHAT, COMPLETIONS, MESSAGES, PROMPT, Case, ids
 
 pytestmark = pytest.mark.e2e
 
@@ -167,6 +168,42 @@ def test_each_sub_request_got_its_own_push(env: dict[str, Any]) -> None:
     wait_until(lambda: metric(c.d.url, PUSHES) - pushes >= 6, 10.0, what="six pushes")
     assert metric(c.d.url, PUSHES) - pushes == 6
     assert body["usage"]["prompt_tokens"] == 300 + 60 + 129
+
+
+@pytest.mark.parametrize("path", [COMPLETIONS, CHAT])
+def test_the_first_token_comes_from_p_while_d_is_frozen(env: dict[str, Any], path: str) -> None:
+    """A streamed greedy request: the client's first token is P's (D is stopped until
+    the client has it), and the whole answer is still the plain server's."""
+    c: Cluster = env["cluster"]
+    body: dict[str, Any] = {"stream": True, "temperature": 0, "max_tokens": 8}
+    body.update({"messages": MESSAGES} if path == CHAT else {"prompt": PROMPT})
+    case = Case("frozen_d", path, body)
+    _, want, _ = send(env["plain"], case, env["model"])
+    data = json.dumps({"model": env["model"], **body}).encode()
+    req = urllib.request.Request(c.router.url + path, data, {"Content-Type": "application/json"})
+    events: list[Any] = []
+    gave_up = threading.Event()  # D resumed without the client's first event: not P's
+
+    def resume() -> None:
+        gave_up.set()
+        c.d.send(signal.SIGCONT)
+
+    c.d.send(signal.SIGSTOP)
+    timer = threading.Timer(20.0, resume)
+    timer.start()
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            for line in resp:
+                if line.startswith(b"data:"):
+                    payload = line[5:].strip()
+                    events.append("[DONE]" if payload == b"[DONE]" else json.loads(payload))
+                    c.d.send(signal.SIGCONT)  # the first event came while D was stopped
+    finally:
+        timer.cancel()
+        c.d.send(signal.SIGCONT)
+    assert not gave_up.is_set(), "no first token from P while D was stopped"
+    assert not differences(merged(strip(events)), merged(strip(want)))
+    assert metric(c.router.url, "kvpush_router_first_token_mismatch_total") == 0
 
 
 def test_client_hang_up_cancels_both_legs(env: dict[str, Any], tmp_path: Path) -> None:
