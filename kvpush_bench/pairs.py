@@ -301,6 +301,7 @@ class PullPair(Pair):
             {"kv_transfer_params": params},
         )
         s.ttft_s = gap + s.ttft_s if s.ok else 0.0
+        s.second_s = gap + s.second_s if s.second_s else 0.0
         s.total_s += gap
         return s
 

@@ -286,7 +286,9 @@ def aggregate(
                     "ttft_ms": summary(ok, 2),
                     # kvpush's first token is P's (kvpush.router.head): the second shows
                     # when D's own output began.
-                    "second_token_ms": summary([s.second_s * 1e3 for s in got if s.ok], 2),
+                    "second_token_ms": summary(
+                        [s.second_s * 1e3 for s in got if s.ok and s.second_s], 2
+                    ),
                     "e2e_ms": summary([s.total_s * 1e3 for s in got if s.ok], 2),
                 }
             plain = cell.get("plain", {}).get("ttft_ms", {})

@@ -18,7 +18,7 @@ class Reply:
     token_ids: list[int] = field(default_factory=list)
     prompt_tokens: int = 0
     ttft_s: float = 0.0
-    second_s: float = 0.0  # streamed: when the next event with text came (the 2nd token)
+    second_s: float = 0.0  # streamed: the next piece after the first (completions: token 2)
     total_s: float = 0.0
     status: int = 0
     error: str = ""
