@@ -57,8 +57,8 @@ def eligible(body: dict[str, Any], chat: bool) -> bool:
         return False
     if not all(_unset(body.get(name)) for name in _SHAPING):
         return False
-    if not chat and not _one_prompt(body.get("prompt")):
-        return False
+    if not chat and (body.get("logprobs") is not None or not _one_prompt(body.get("prompt"))):
+        return False  # a completion's `logprobs: false` reads as 0: the chosen token's
     for name in ("max_tokens", "max_completion_tokens") if chat else ("max_tokens",):
         most = body.get(name)
         if most is not None and not (_is_int(most) and most >= 2):

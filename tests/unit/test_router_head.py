@@ -71,6 +71,8 @@ DONE = b"data: [DONE]\n\n"
         ({"stop": ["x"]}, False, False),
         ({"stop": []}, False, True),
         ({"logprobs": 0}, False, False),
+        ({"logprobs": False}, False, False),  # vLLM reads it as 0
+        ({"logprobs": False}, True, True),
         ({"echo": True}, False, False),
         ({"max_tokens": 1}, False, False),
         ({"max_tokens": None}, False, True),
