@@ -97,7 +97,8 @@ def decoder_alone(body: dict[str, Any], chat: bool, max_model_len: int | None = 
     return None
 
 
-def _is_int(value: Any) -> bool:
+def is_int(value: Any) -> bool:
+    """An int that is not a bool (JSON's true is not a count)."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -111,12 +112,10 @@ def _doubtful(body: dict[str, Any], chat: bool, max_model_len: int | None) -> bo
     for name in ("max_tokens", "max_completion_tokens") if chat else ("max_tokens",):
         limit = body.get(name)
         least = 0 if body.get("echo") and not chat else 1
-        if limit is not None and not (
-            _is_int(limit) and least <= limit <= (max_model_len or limit)
-        ):
+        if limit is not None and not (is_int(limit) and least <= limit <= (max_model_len or limit)):
             return True
     count = body.get("top_logprobs" if chat else "logprobs")
-    if count is not None and not (_is_int(count) and 0 <= count <= _MAX_LOGPROBS):
+    if count is not None and not (is_int(count) and 0 <= count <= _MAX_LOGPROBS):
         return True
     if chat and (
         body.get("logprobs") not in (None, True, False)
@@ -128,7 +127,7 @@ def _doubtful(body: dict[str, Any], chat: bool, max_model_len: int | None) -> bo
     fewest = body.get("min_tokens")
     most = body.get("max_completion_tokens") if chat else None
     most = body.get("max_tokens") if most is None else most
-    if fewest is not None and not (_is_int(fewest) and fewest >= 0):
+    if fewest is not None and not (is_int(fewest) and fewest >= 0):
         return True
     if isinstance(fewest, int) and isinstance(most, int) and fewest > most:
         return True

@@ -25,7 +25,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from kvpush.router import bodies, legs
+from kvpush.router import bodies, legs, sse
 
 # Fields whose presence changes the first events beyond the token: tool and structured
 # output parsers, logprobs, echo, stop strings (held-back text), more than one choice.
@@ -61,11 +61,11 @@ def eligible(body: dict[str, Any], chat: bool) -> bool:
         return False  # a completion's `logprobs: false` reads as 0: the chosen token's
     for name in ("max_tokens", "max_completion_tokens") if chat else ("max_tokens",):
         most = body.get(name)
-        if most is not None and not (_is_int(most) and most >= 2):
+        if most is not None and not (bodies.is_int(most) and most >= 2):
             return False
     temperature = body.get("temperature")
     greedy = isinstance(temperature, int | float) and not isinstance(temperature, bool)
-    return (greedy and temperature == 0) or _is_int(body.get("seed"))
+    return (greedy and temperature == 0) or bodies.is_int(body.get("seed"))
 
 
 def _unset(value: Any) -> bool:
@@ -79,11 +79,7 @@ def _one_prompt(prompt: Any) -> bool:
         return True
     if not isinstance(prompt, list):
         return False
-    return len(prompt) == 1 or (bool(prompt) and all(_is_int(t) for t in prompt))
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    return len(prompt) == 1 or (bool(prompt) and all(bodies.is_int(t) for t in prompt))
 
 
 def prefill_body(body: dict[str, Any], transfer_id: str, chat: bool) -> dict[str, Any]:
@@ -99,10 +95,8 @@ def check_answer(result: legs.LegResult) -> legs.LegResult:
     """P's streamed answer, or the `LegError` of the error event in it (a failure after
     its 200, as vLLM reports one)."""
     for event in _events(result.body):
-        obj = _payload(event)
-        if isinstance(obj, dict) and "error" in obj:
-            err = obj["error"] if isinstance(obj["error"], dict) else {}
-            code = err.get("code") if _is_int(err.get("code")) else 500
+        code = sse.error_code(event)
+        if code is not None:
             detail = event[:500].decode("utf-8", errors="replace")
             payload = event.strip()[5:].strip()  # a 4xx goes to the client as it is
             raise legs.LegError("prefill", "upstream", f"stream failed: {detail}", code, payload)

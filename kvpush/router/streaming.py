@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
@@ -119,10 +118,7 @@ async def serve_stream(
         # From here the client has a 200: a later failure can only be reported in-stream.
         upstream: wire.Response | None = None
         if isinstance(got, head.Head):
-            assert opening is not None and chat is not None
-            ctype = prefill.result().content_type
-            start, status = got.events, 200
-            copy = _after_head(opening, got, chat, prefill, p, cfg.timeout, metrics)
+            ctype, status = prefill.result().content_type, 200
         else:
             upstream, start = got
             ctype = upstream.headers.get("Content-Type", "text/event-stream")
@@ -137,11 +133,13 @@ async def serve_stream(
             await out.prepare(request)
             trace.mark("router.prepared", tid)
             if upstream is None:
-                await out.write(start)
-                relay = timed(metrics, d, copy(out, client))
+                assert isinstance(got, head.Head) and opening is not None and chat is not None
+                await out.write(got.events)
+                args = (opening, got, chat, prefill, p, cfg.timeout, metrics, out, client)
+                copy = _after_head(*args)
             else:
-                pump = sse.pump(upstream, out, "decode", cfg.timeout, start, client)
-                relay = timed(metrics, d, pump)
+                copy = sse.pump(upstream, out, "decode", cfg.timeout, start, client)
+            relay = timed(metrics, d, copy)
             if not succeeded(prefill):  # its failure ends the stream, in-stream
                 relay = tracking.watched(prefill, relay, REFUSAL_GRACE_S)
             ok = await replies.relayed(app, out, tid, relay, verdict)
@@ -174,7 +172,7 @@ async def _first_of(
     return await opening
 
 
-def _after_head(
+async def _after_head(
     opening: asyncio.Task[_Opened],
     first: head.Head,
     chat: bool,
@@ -182,35 +180,24 @@ def _after_head(
     p: Instance,
     timeout: float,
     metrics: RouterMetrics,
-) -> Callable[[web.StreamResponse, Any], Awaitable[bool]]:
+    out: web.StreamResponse,
+    client: asyncio.Transport | None,
+) -> bool:
     """The relay of D's stream once the client has P's first token: D's first piece (a
     P that answered and then left the pool never pushes: an in-stream error at once),
     then D's stream without its copy of the head."""
-
-    async def rest(out: web.StreamResponse, client: Any) -> bool:
-        interrupt = tracking.Interrupt(prefill, p, REFUSAL_GRACE_S)
-        try:
-            upstream, piece = await opening
-        except asyncio.CancelledError:
-            reason = interrupt.caught()
-            if reason is None:
-                raise
-            raise reason from None
-        finally:
-            interrupt.close()
-        trim = head.Trim(first, chat)
-        piece = trim.feed(piece)
-        while not trim.done:
-            more = await legs.read_chunk(upstream, "decode", timeout)
-            if not more:
-                break
-            piece += trim.feed(more)
-        if trim.mismatch:
-            metrics.first_token_mismatch()
-            log.warning("D's first token differed from P's, which the client has")
-        return await sse.pump(upstream, out, "decode", timeout, piece, client)
-
-    return rest
+    upstream, piece = await tracking.watched(prefill, opening, REFUSAL_GRACE_S, p)
+    trim = head.Trim(first, chat)
+    piece = trim.feed(piece)
+    while not trim.done:
+        more = await legs.read_chunk(upstream, "decode", timeout)
+        if not more:
+            break
+        piece += trim.feed(more)
+    if trim.mismatch:
+        metrics.first_token_mismatch()
+        log.warning("D's first token differed from P's, which the client has")
+    return await sse.pump(upstream, out, "decode", timeout, piece, client)
 
 
 def _opened(opening: asyncio.Task[_Opened] | None) -> wire.Response | None:

@@ -139,11 +139,14 @@ class Interrupt:
         self.prefill.remove_done_callback(self._prefill_done)
 
 
-async def watched(prefill: asyncio.Task[Any], relay: Awaitable[T], grace: float) -> T:
+async def watched(
+    prefill: asyncio.Task[Any], relay: Awaitable[T], grace: float, p: Instance | None = None
+) -> T:
     """`relay` (a stream's copy, after D's first chunk), ended by the prefill leg's
-    error once P fails (`Interrupt`, without the pool check: D has the KV). In the
-    caller's task: a task for the relay and asyncio.wait on it cost loop turns."""
-    interrupt = Interrupt(prefill, None, grace)
+    error once P fails (`Interrupt`; with `p`, also once P answered and left the pool,
+    for a wait that comes before D has the KV). In the caller's task: a task for the
+    relay and asyncio.wait on it cost loop turns."""
+    interrupt = Interrupt(prefill, p, grace)
     try:
         return await relay
     except asyncio.CancelledError:

@@ -188,11 +188,9 @@ def test_an_error_event_in_ps_stream_fails_the_prefill_leg() -> None:
 # --- through the router ----------------------------------------------------------------
 
 
-def test_the_client_gets_ps_token_before_d_sends_anything() -> None:
-    """D writes nothing until the client has its first event: that event can only be P's.
-    Then the client gets D's stream without D's copy of the token."""
-    client_has_first = asyncio.Event()
-    seen: dict[str, Any] = {}
+def streams_one_token(seen: dict[str, Any]) -> Any:
+    """A prefiller streaming one token (" the") as vLLM ends a max_tokens=1 stream; the
+    body it got goes to seen["p"]."""
 
     async def prefill(request: web.Request) -> web.StreamResponse:
         seen["p"] = await request.json()
@@ -200,6 +198,16 @@ def test_the_client_gets_ps_token_before_d_sends_anything() -> None:
         await resp.prepare(request)
         await resp.write(text_event(" the", "length") + DONE)
         return resp
+
+    return prefill
+
+
+def test_the_client_gets_ps_token_before_d_sends_anything() -> None:
+    """D writes nothing until the client has its first event: that event can only be P's.
+    Then the client gets D's stream without D's copy of the token."""
+    client_has_first = asyncio.Event()
+    seen: dict[str, Any] = {}
+    prefill = streams_one_token(seen)
 
     async def decode(request: web.Request) -> web.StreamResponse:
         await request.json()
@@ -232,13 +240,7 @@ def test_the_client_gets_ps_token_before_d_sends_anything() -> None:
 
 
 def test_a_decoder_that_fails_after_ps_token_ends_the_stream_with_an_error_event() -> None:
-    async def prefill(request: web.Request) -> web.StreamResponse:
-        await request.json()
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
-        await resp.write(text_event(" the", "length") + DONE)
-        return resp
-
+    prefill = streams_one_token({})
     p_answered = asyncio.Event()
 
     async def decode(request: web.Request) -> web.Response:
