@@ -8,14 +8,17 @@ one decoder; one router per prefiller in the root namespace. The model is the ti
 model's ``layers`` shape (12 layers, KV of 12 KiB per token), random weights.
 
 Each round sends every prompt size once through each router, one request at a time,
-the two modes in alternating order, streamed with ``max_tokens`` 2; TTFT is the client's
-(request sent to first token). Per request it also reads, from P's /metrics: the whole
-push's transfer time (``kvpush_push_seconds``: from the blocks handed over at the end of
-the forward to the WRITE done) and the prefill time (vLLM's ``request_prefill_time``).
-Share hidden = (after whole - after layer-wise) / transfer time of the whole push, where
-"after" is a request's TTFT less its own prefill time on P (medians per size; the shared
-machine's prefill times vary by 2x between requests); ``hidden_share_ttft`` is the same
-from the TTFT medians alone.
+the two modes in alternating order, streamed with ``max_tokens`` 2. The clock is the
+client's time to the second token: D's output whichever way the first token came (the
+router sends P's first token to the client for these greedy requests, so the TTFT no
+longer waits for the push; it is recorded too). Per request it also reads, from P's
+/metrics: the whole push's transfer time (``kvpush_push_seconds``: from the blocks handed
+over at the end of the forward to the WRITE done) and the prefill time (vLLM's
+``request_prefill_time``). Share hidden = (after whole - after layer-wise) / transfer
+time of the whole push, where "after" is a request's second-token time less its own
+prefill time on P (medians per size; the shared machine's prefill times vary by 2x
+between requests); ``hidden_share_ttft`` is the same from the second-token medians alone
+(its name kept from when the first token was D's).
 
     sudo PYTHONPATH=. .venv/bin/python scripts/layer_bench.py --rate 200mbit \\
         --json docs/layers/layer-bench.json --plot docs/layers/layer-bench.png
@@ -108,8 +111,8 @@ def one(router: RouterProc, p: VllmServer, model: str, prompt: list[int],
     """One request; its TTFT and P's push and prefill seconds for it."""
     push0, prefill0 = hist(p.url, PUSH), hist(p.url, PREFILL)
     reply: Reply = request(router.url, model, prompt, None, 2, True, timeout_s)
-    out: dict[str, Any] = {"ok": reply.ok, "ttft_s": reply.ttft_s, "error": reply.error,
-                           "tokens": reply.token_ids}  # fmt: skip
+    out: dict[str, Any] = {"ok": reply.ok, "ttft_s": reply.ttft_s, "second_s": reply.second_s,
+                           "error": reply.error, "tokens": reply.token_ids}  # fmt: skip
     # P's histograms arrive with its stats, a moment after the request: wait for them.
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
@@ -132,20 +135,23 @@ def summarize(cells: list[dict[str, Any]], sizes: list[int]) -> list[dict[str, A
         got = {m: [c for c in cells if c["size"] == n and c["mode"] == m] for m in MODES}
         ok = {m: [c for c in got[m] if c["ok"]] for m in MODES}
         ttft = {m: med([c["ttft_s"] for c in ok[m]]) for m in MODES}
+        second = {m: med([c["second_s"] for c in ok[m]]) for m in MODES}
         transfer = med([c["push_s"] for c in ok["whole"] if "push_s" in c])
         prefill = med([c["prefill_s"] for c in ok["whole"] if "prefill_s" in c])
         # TTFT less the request's own prefill on P: what the push (and D) add after the
         # prefill, robust to the prefill's noise on this shared 2-core machine.
         after = {
-            m: med([c["ttft_s"] - c["prefill_s"] for c in ok[m] if "prefill_s" in c]) for m in MODES
+            m: med([c["second_s"] - c["prefill_s"] for c in ok[m] if "prefill_s" in c])
+            for m in MODES
         }
         hidden = hidden_raw = None
         if after["layer"] is not None and after["whole"] is not None and transfer:
             hidden = (after["whole"] - after["layer"]) / transfer
-        if ttft["layer"] is not None and ttft["whole"] is not None and transfer:
-            hidden_raw = (ttft["whole"] - ttft["layer"]) / transfer
+        if second["layer"] is not None and second["whole"] is not None and transfer:
+            hidden_raw = (second["whole"] - second["layer"]) / transfer
         rows.append({
             "size": n, "ttft_layer_s": ttft["layer"], "ttft_whole_s": ttft["whole"],
+            "second_layer_s": second["layer"], "second_whole_s": second["whole"],
             "after_prefill_layer_s": after["layer"], "after_prefill_whole_s": after["whole"],
             "transfer_whole_s": transfer, "prefill_s": prefill, "hidden_share": hidden,
             "hidden_share_ttft": hidden_raw,
@@ -170,11 +176,11 @@ def plot(rows: list[dict[str, Any]], cells: list[dict[str, Any]], path: str, rat
     sizes = [r["size"] for r in rows]
     for mode, color in (("whole", "tab:red"), ("layer", "tab:blue")):
         xs = [c["size"] for c in cells if c["mode"] == mode and c["ok"]]
-        ys = [c["ttft_s"] * 1e3 for c in cells if c["mode"] == mode and c["ok"]]
+        ys = [c["second_s"] * 1e3 for c in cells if c["mode"] == mode and c["ok"]]
         ax.scatter(xs, ys, s=12, color=color, alpha=0.5)
         name = "layer-wise" if mode == "layer" else "whole-request"
-        medians = [r[f"ttft_{mode}_s"] * 1e3 for r in rows]
-        ax.plot(sizes, medians, color=color, label=f"TTFT, {name} push")
+        medians = [(r[f"second_{mode}_s"] or float("nan")) * 1e3 for r in rows]
+        ax.plot(sizes, medians, color=color, label=f"second token (D's output), {name} push")
     ax.plot(sizes, [(r["prefill_s"] or 0) * 1e3 for r in rows], "k--", label="prefill (P)")
     ax.plot(sizes, [(r["transfer_whole_s"] or 0) * 1e3 for r in rows], "k:",
             label="whole push's transfer (P)")  # fmt: skip

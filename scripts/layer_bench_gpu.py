@@ -209,7 +209,7 @@ def gpu_shares(row: dict[str, Any], cells: list[dict[str, Any]]) -> None:
     t = med([c["push_s"] - c["prefill_s"] for c in whole if "push_s" in c])
     row["transfer_after_prefill_s"] = t
     a, b = row["after_prefill_whole_s"], row["after_prefill_layer_s"]
-    x, y = row["ttft_whole_s"], row["ttft_layer_s"]
+    x, y = row["second_whole_s"], row["second_layer_s"]
     row["hidden_share_gpu"] = (a - b) / t if t and None not in (a, b) else None
     row["hidden_share_ttft_gpu"] = (x - y) / t if t and None not in (x, y) else None
 
