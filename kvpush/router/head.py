@@ -14,9 +14,12 @@ are the ones a plain server writes; the token's event is the last of P's stream,
 ``finish_reason`` is rewritten to none (`from_answer`). `Trim` then takes D's role
 event and D's copy of the token out of D's stream.
 
-Numerically, D's recomputed token can still differ from P's (a near tie): the client
-then keeps P's, and D's copy is dropped all the same (`Trim.mismatch`, counted); D's
-later tokens follow from its own copy.
+Numerically, D's recomputed token can still differ from P's (a near tie between P's
+prefill and D's one-token recompute). D's later tokens would follow from its own copy, so
+the router drops that stream (D aborts the request) and asks D for the whole request
+again, computed from the prompt as P computed it (`again_body`); the client gets that
+answer after its first token. Should its first token differ from P's too, the stream ends
+with an error event rather than with a text no single server would write.
 """
 
 from __future__ import annotations
@@ -88,6 +91,15 @@ def prefill_body(body: dict[str, Any], transfer_id: str, chat: bool) -> dict[str
     out["stream"] = True
     if body.get("stream_options") is not None:
         out["stream_options"] = body["stream_options"]
+    return out
+
+
+def again_body(dbody: dict[str, Any], transfer_id: str) -> dict[str, Any]:
+    """D's request once more after its first token differed from P's: the client's body
+    without P's KV, salted so that D's prefix cache (the blocks P pushed) does not serve
+    it, and D computes the whole prompt, as P did, instead of the last token alone."""
+    out = {k: v for k, v in dbody.items() if k != "kv_transfer_params"}
+    out["cache_salt"] = f"kvpush-again-{transfer_id}"
     return out
 
 

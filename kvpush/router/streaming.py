@@ -11,7 +11,9 @@ reported in-stream.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
@@ -135,7 +137,8 @@ async def serve_stream(
             if upstream is None:
                 assert isinstance(got, head.Head) and opening is not None and chat is not None
                 await out.write(got.events)
-                args = (opening, got, chat, prefill, p, cfg.timeout, metrics, out, client)
+                again = functools.partial(_again, app, url, dbody, headers, tid)
+                args = (opening, got, chat, prefill, p, cfg.timeout, metrics, out, client, again)
                 copy = _after_head(*args)
             else:
                 copy = sse.pump(upstream, out, "decode", cfg.timeout, start, client)
@@ -182,11 +185,37 @@ async def _after_head(
     metrics: RouterMetrics,
     out: web.StreamResponse,
     client: asyncio.Transport | None,
+    again: Callable[[], Awaitable[_Opened]],
 ) -> bool:
     """The relay of D's stream once the client has P's first token: D's first piece (a
     P that answered and then left the pool never pushes: an in-stream error at once),
-    then D's stream without its copy of the head."""
+    then D's stream without its copy of the head. When D's first token is not P's, D's
+    continuation would not follow the client's first token: D computes the request
+    again (`head.again_body`), and that stream, whose first token must be P's, goes on."""
     upstream, piece = await tracking.watched(prefill, opening, REFUSAL_GRACE_S, p)
+    piece, differs = await _trimmed(upstream, piece, first, chat, timeout)
+    if not differs:
+        return await sse.pump(upstream, out, "decode", timeout, piece, client)
+    metrics.first_token_mismatch()
+    log.warning("D's first token differed from P's, which the client has: D computes it again")
+    upstream.close()  # D aborts that request and frees its blocks
+    upstream, piece = await again()
+    ok = False
+    try:
+        piece, differs = await _trimmed(upstream, piece, first, chat, timeout)
+        if differs:
+            raise legs.LegError("decode", "upstream", "D's first token differed from P's twice")
+        ok = await sse.pump(upstream, out, "decode", timeout, piece, client)
+        return ok
+    finally:
+        upstream.release() if ok else upstream.close()
+
+
+async def _trimmed(
+    upstream: wire.Response, piece: bytes, first: head.Head, chat: bool, timeout: float
+) -> tuple[bytes, bool]:
+    """D's stream up to and including its first token, less what the client has from P;
+    and whether that token differed from P's."""
     trim = head.Trim(first, chat)
     piece = trim.feed(piece)
     while not trim.done:
@@ -194,10 +223,13 @@ async def _after_head(
         if not more:
             break
         piece += trim.feed(more)
-    if trim.mismatch:
-        metrics.first_token_mismatch()
-        log.warning("D's first token differed from P's, which the client has")
-    return await sse.pump(upstream, out, "decode", timeout, piece, client)
+    return piece, trim.mismatch
+
+
+async def _again(
+    app: web.Application, url: str, dbody: dict[str, Any], headers: dict[str, str], tid: str
+) -> _Opened:
+    return await open_first(app, url, head.again_body(dbody, tid), headers, True)
 
 
 def _opened(opening: asyncio.Task[_Opened] | None) -> wire.Response | None:

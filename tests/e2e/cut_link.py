@@ -4,7 +4,9 @@ A test that stops a decoder mid-stream races the decoder: a fast one can finish 
 answer before a signal sent from the client's side lands. This relay sees D's first
 event itself: it calls ``on_first_event`` (say, to freeze D) before passing the event on,
 and with ``hold`` passes nothing more until `cut()` closes that connection; what D sent
-in between is lost, as when a host dies. GETs (health probes) pass untouched.
+in between is lost, as when a host dies. ``rewrite_first`` changes the bytes up to the
+end of that first event (without changing their length: the chunk's size stays true).
+GETs (health probes) pass untouched.
 """
 
 from __future__ import annotations
@@ -22,12 +24,15 @@ class CutLink:
         target_port: int,
         hold: bool = True,
         on_first_event: Callable[[], None] | None = None,
+        rewrite_first: Callable[[bytes], bytes] | None = None,
     ) -> None:
         self.target = ("127.0.0.1", target_port)
         self.hold = hold
         self.on_first_event = on_first_event
+        self.rewrite_first = rewrite_first
         self.passed_first = threading.Event()  # a stream's first event is going through
         self.closed_by_router = threading.Event()  # a POST's connection ended on the router side
+        self.posts: list[int] = []  # one entry per POST that went to D (appends are atomic)
         self._cut = threading.Event()
         self._server = socket.create_server(("127.0.0.1", 0))
         self.port = self._server.getsockname()[1]
@@ -65,6 +70,7 @@ class CutLink:
             while data := src.recv(65536):
                 if data.startswith(b"POST "):
                     posted.set()  # before D can see the request
+                    self.posts.append(1)
                 dst.sendall(data)
             if posted.is_set():  # (not a health probe's connection)
                 self.closed_by_router.set()
@@ -89,7 +95,11 @@ class CutLink:
                 # Set before sending: the router's 200 (which a test checks this against)
                 # can reach the client before this thread runs again.
                 self.passed_first.set()
-                dst.sendall(held[:end] if self.hold else held)
+                first, rest = held[:end], held[end:]
+                if self.rewrite_first is not None:
+                    first = self.rewrite_first(first)
+                    assert len(first) == end, "a rewrite must keep the length"
+                dst.sendall(first if self.hold else first + rest)
                 if self.hold:
                     self._cut.wait()
                     return

@@ -264,6 +264,46 @@ def _wait_idle(c: Cluster, what: str, timeout: float = 10.0) -> None:
         time.sleep(0.2)
 
 
+def test_ds_differing_first_token_is_computed_again(env: dict[str, Any], tmp_path: Path) -> None:
+    """D's first token is made to differ from P's on the way to the router (a near tie
+    on a GPU would do that): D's continuation would follow the wrong token, so the router
+    has D compute the request again without P's KV, and the answer is still the plain
+    server's. D is stopped until the client has P's token, so the head path is taken."""
+    c: Cluster = env["cluster"]
+    body: dict[str, Any] = {"prompt": PROMPT, "stream": True, "temperature": 0, "max_tokens": 8}
+    _, want, _ = send(env["plain"], Case("again", COMPLETIONS, body), env["model"])
+    events: list[Any] = []
+    with via_link(c, tmp_path, hold=False, rewrite_first=_other_first_char) as (router, link):
+        data = json.dumps({"model": env["model"], **body}).encode()
+        headers = {"Content-Type": "application/json"}
+        req = urllib.request.Request(router.url + COMPLETIONS, data, headers)
+        c.d.send(signal.SIGSTOP)
+        try:
+            with urllib.request.urlopen(req, timeout=60) as resp:
+                for line in resp:
+                    c.d.send(signal.SIGCONT)  # the client has its first event: P's
+                    if line.startswith(b"data:"):
+                        payload = line[5:].strip()
+                        events.append("[DONE]" if payload == b"[DONE]" else json.loads(payload))
+        finally:
+            c.d.send(signal.SIGCONT)
+        assert link.passed_first.is_set()
+        assert len(link.posts) == 2, "D was not asked again"
+        assert metric(router.url, "kvpush_router_first_token_mismatch_total") == 1
+        assert metric(router.url, "kvpush_router_first_token_total", {"leg": "prefill"}) == 1
+    assert not differences(merged(strip(events)), merged(strip(want)))
+    _wait_idle(c, "after the request computed again")
+
+
+def _other_first_char(data: bytes) -> bytes:
+    """The first event's text with another first character, of the same length."""
+    key = b'"text":"'
+    at = data.find(key) + len(key)
+    assert at >= len(key) and data[at] < 0x80 and data[at : at + 1] not in (b'"', b"\\"), data
+    other = b"Y" if data[at : at + 1] == b"X" else b"X"
+    return data[:at] + other + data[at + 1 :]
+
+
 def test_stream_cut_by_a_dead_decoder_ends_with_an_error_event(
     env: dict[str, Any], tmp_path: Path
 ) -> None:

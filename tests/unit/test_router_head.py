@@ -264,3 +264,74 @@ def test_a_decoder_that_fails_after_ps_token_ends_the_stream_with_an_error_event
     error = json.loads(events[1])["error"]
     assert error["leg"] == "decode" and error["code"] == 502
     assert events[2:] == [b"[DONE]"]
+
+
+def test_ds_request_again_has_no_kv_of_ps_and_its_own_cache_salt() -> None:
+    dbody = {**GREEDY, "cache_salt": "mine", "kv_transfer_params": {"do_remote_prefill": True}}
+    again = head.again_body(dbody, "t1")
+    assert "kv_transfer_params" not in again
+    assert again["cache_salt"] == "kvpush-again-t1"
+    assert {k: v for k, v in again.items() if k != "cache_salt"} == GREEDY
+    assert "kv_transfer_params" in dbody  # the decode leg's body is left as it was
+
+
+def answers_twice(firsts: tuple[str, str], seen: list[dict[str, Any]]) -> tuple[Any, asyncio.Event]:
+    """A decoder whose n-th answer starts with firsts[n] and goes on " dog", "."; the
+    bodies it got go to `seen`. Its first answer waits until the client has an event,
+    which can then only be P's."""
+    client_has_first = asyncio.Event()
+
+    async def decode(request: web.Request) -> web.StreamResponse:
+        seen.append(await request.json())
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        first = firsts[len(seen) - 1]
+        if len(seen) == 1:
+            await asyncio.wait_for(client_has_first.wait(), DEADLINE)
+        for event in (text_event(first), text_event(" dog"), text_event(".", "length"), DONE):
+            await resp.write(event)
+        return resp
+
+    return decode, client_has_first
+
+
+def client_events(decoder: tuple[Any, asyncio.Event]) -> tuple[list[bytes], bytes]:
+    decode, client_has_first = decoder
+
+    async def main() -> tuple[list[bytes], bytes]:
+        events = []
+        async with running(stub(streams_one_token({})), stub(decode)) as (url, cl):
+            async with asyncio.timeout(2 * DEADLINE):
+                async with cl.post(url + "/v1/completions", json=GREEDY) as resp:
+                    assert resp.status == 200
+                    async for line in resp.content:
+                        if line.startswith(b"data: "):
+                            events.append(line + b"\n")
+                            client_has_first.set()
+                async with cl.get(url + "/metrics") as m:
+                    metrics = await m.read()
+        return events, metrics
+
+    return asyncio.run(main())
+
+
+def test_a_differing_first_token_from_d_makes_d_compute_the_request_again() -> None:
+    """D's continuation would follow its own first token, not the client's: the router
+    drops that stream and relays D's answer to the request asked again without P's KV."""
+    seen: list[dict[str, Any]] = []
+    events, metrics = client_events(answers_twice((" a", " the"), seen))
+    assert events == [text_event(" the"), text_event(" dog"), text_event(".", "length"), DONE]
+    assert len(seen) == 2
+    assert "kv_transfer_params" in seen[0] and "cache_salt" not in seen[0]
+    assert "kv_transfer_params" not in seen[1] and seen[1]["cache_salt"].startswith("kvpush-")
+    assert b"kvpush_router_first_token_mismatch_total 1.0" in metrics
+
+
+def test_a_first_token_that_differs_twice_ends_the_stream_with_an_error_event() -> None:
+    seen: list[dict[str, Any]] = []
+    events, _ = client_events(answers_twice((" a", " a"), seen))
+    assert len(seen) == 2
+    assert events[0] == text_event(" the")
+    error = json.loads(events[1][6:])["error"]
+    assert error["leg"] == "decode" and "twice" in error["message"]
+    assert events[2:] == [DONE]
