@@ -98,7 +98,8 @@ class RouterMetrics:
         )
         self._first_mismatch = Counter(
             _PREFIX + "first_token_mismatch_total",
-            "Streams where D's first token differed from P's, which the client already had.",
+            "Streams where D's first token differed from P's, which the client already had "
+            "(D was asked for the request again).",
             registry=r,
         )
 
