@@ -121,7 +121,7 @@ class Head:
 
     events: bytes  # the role event (chat) and the token's event, as a plain server's
     texts: dict[str, str]  # the token's strings: delta fields (chat) or {"text": ...}
-    ids: int  # token ids the token's event carried (``return_token_ids``)
+    ids: tuple[int, ...]  # the token ids its event carried (``return_token_ids``)
 
 
 def from_answer(data: bytes, chat: bool) -> Head | None:
@@ -155,7 +155,7 @@ def from_answer(data: bytes, chat: bool) -> Head | None:
     obj.pop("system_fingerprint", None)  # only on a finished chunk
     out.append(_event(obj))
     ids = choice.get("token_ids")
-    return Head(b"".join(out), texts, len(ids) if isinstance(ids, list) else 0)
+    return Head(b"".join(out), texts, tuple(ids) if isinstance(ids, list) else ())
 
 
 class Trim:
@@ -205,7 +205,9 @@ class Trim:
                 fields[key] = ""
         ids = choice.get("token_ids")
         if isinstance(ids, list):
-            del ids[: self.head.ids]
+            if tuple(ids[: len(self.head.ids)]) != self.head.ids:
+                self.mismatch = True  # the same text from another token (or none yet)
+            del ids[: len(self.head.ids)]
         left = any(fields.get(k) for k in self.head.texts) or bool(ids)
         if not left and choice.get("finish_reason") is None:
             return b""

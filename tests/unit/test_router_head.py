@@ -101,7 +101,7 @@ def test_the_prefill_leg_is_streamed_like_the_clients() -> None:
 def test_ps_completion_token_event_is_sent_as_an_unfinished_one() -> None:
     answer = text_event(" the", "length", [5]) + DONE
     got = head.from_answer(answer, chat=False)
-    assert got is not None and got.texts == {"text": " the"} and got.ids == 1
+    assert got is not None and got.texts == {"text": " the"} and got.ids == (5,)
     assert got.events == text_event(" the", None, [5])
 
 
@@ -169,6 +169,21 @@ def test_a_differing_first_token_from_d_is_dropped_and_counted() -> None:
     trim = head.Trim(h, chat=False)
     assert trim.feed(text_event(" a") + text_event(" cat")) == text_event(" cat")
     assert trim.mismatch
+
+
+def test_the_same_text_from_another_token_is_a_differing_first_token() -> None:
+    """With token ids asked for, an empty text (the first part of a character) or the
+    same text from another token is told apart by its id."""
+    h = head.from_answer(text_event("", "length", [5]) + DONE, chat=False)
+    assert h is not None
+    trim = head.Trim(h, chat=False)
+    trim.feed(text_event("", None, [7]) + text_event("é", None, [9]))
+    assert trim.mismatch
+    same = head.Trim(h, chat=False)
+    assert same.feed(text_event("", None, [5]) + text_event("é", None, [9])) == text_event(
+        "é", None, [9]
+    )
+    assert not same.mismatch
 
 
 def test_an_error_event_from_d_passes_and_ends_trimming() -> None:
