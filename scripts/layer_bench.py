@@ -108,7 +108,7 @@ def hist(url: str, name: str) -> tuple[float, float]:
 
 def one(router: RouterProc, p: VllmServer, model: str, prompt: list[int],
         timeout_s: float = 120) -> dict[str, Any]:  # fmt: skip
-    """One request; its TTFT and P's push and prefill seconds for it."""
+    """One request; its TTFT, its second token's time and P's push and prefill seconds."""
     push0, prefill0 = hist(p.url, PUSH), hist(p.url, PREFILL)
     reply: Reply = request(router.url, model, prompt, None, 2, True, timeout_s)
     out: dict[str, Any] = {"ok": reply.ok, "ttft_s": reply.ttft_s, "second_s": reply.second_s,
@@ -138,8 +138,8 @@ def summarize(cells: list[dict[str, Any]], sizes: list[int]) -> list[dict[str, A
         second = {m: med([c["second_s"] for c in ok[m]]) for m in MODES}
         transfer = med([c["push_s"] for c in ok["whole"] if "push_s" in c])
         prefill = med([c["prefill_s"] for c in ok["whole"] if "prefill_s" in c])
-        # TTFT less the request's own prefill on P: what the push (and D) add after the
-        # prefill, robust to the prefill's noise on this shared 2-core machine.
+        # The second token's time less the request's own prefill on P: what the push (and
+        # D) add after the prefill, robust to the prefill's noise on this shared machine.
         after = {
             m: med([c["second_s"] - c["prefill_s"] for c in ok[m] if "prefill_s" in c])
             for m in MODES
