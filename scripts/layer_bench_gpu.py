@@ -127,8 +127,14 @@ def stop_all(procs: list[Any]) -> None:
         proc.stop()
 
 
-def tails(procs: list[Any], lines: int = 40) -> dict[str, str]:
-    return {f"{proc.name}-{proc.popen.pid}": proc.tail(lines) for proc in procs}
+def tails(procs: list[Any], lines: int = 60) -> dict[str, str]:
+    """Each server's last log lines without its access lines: the bench's /metrics and
+    /health polls would fill a plain tail and hide a failure's warnings and errors."""
+    out = {}
+    for proc in procs:
+        kept = [ln for ln in proc.tail(20000).splitlines() if '"GET /' not in ln]
+        out[f"{proc.name}-{proc.popen.pid}"] = "\n".join(kept[-lines:])
+    return out
 
 
 def bring_up(args: argparse.Namespace, model: str, hosts: HostPair, out: dict[str, Any],
