@@ -217,6 +217,29 @@ def streams_one_token(seen: dict[str, Any]) -> Any:
     return prefill
 
 
+def client_events(
+    prefill: Any, decode: Any, client_has_first: asyncio.Event
+) -> tuple[list[bytes], bytes]:
+    """A greedy streamed completion through the router over these stub legs: the client's
+    events (`client_has_first` set at the first), then the router's /metrics."""
+
+    async def main() -> tuple[list[bytes], bytes]:
+        events = []
+        async with running(stub(prefill), stub(decode)) as (url, cl):
+            async with asyncio.timeout(2 * DEADLINE):
+                async with cl.post(url + "/v1/completions", json=GREEDY) as resp:
+                    assert resp.status == 200
+                    async for line in resp.content:
+                        if line.startswith(b"data: "):
+                            events.append(line + b"\n")
+                            client_has_first.set()
+                async with cl.get(url + "/metrics") as m:
+                    metrics = await m.read()
+        return events, metrics
+
+    return asyncio.run(main())
+
+
 def test_the_client_gets_ps_token_before_d_sends_anything() -> None:
     """D writes nothing until the client has its first event: that event can only be P's.
     Then the client gets D's stream without D's copy of the token."""
@@ -233,21 +256,7 @@ def test_the_client_gets_ps_token_before_d_sends_anything() -> None:
             await resp.write(event)
         return resp
 
-    async def main() -> tuple[list[bytes], bytes]:
-        events = []
-        async with running(stub(prefill), stub(decode)) as (url, cl):
-            async with asyncio.timeout(2 * DEADLINE):
-                async with cl.post(url + "/v1/completions", json=GREEDY) as resp:
-                    assert resp.status == 200
-                    async for line in resp.content:
-                        if line.startswith(b"data: "):
-                            events.append(line + b"\n")
-                            client_has_first.set()
-                async with cl.get(url + "/metrics") as m:
-                    metrics = await m.read()
-        return events, metrics
-
-    events, metrics = asyncio.run(main())
+    events, metrics = client_events(prefill, decode, client_has_first)
     want = [text_event(" the"), text_event(" cat"), text_event(".", "length"), DONE]
     assert events == want
     assert seen["p"]["stream"] is True and seen["p"]["max_tokens"] == 1
@@ -262,19 +271,8 @@ def test_a_decoder_that_fails_after_ps_token_ends_the_stream_with_an_error_event
         await asyncio.wait_for(p_answered.wait(), DEADLINE)
         return web.json_response({"error": "engine dead"}, status=500)
 
-    async def main() -> list[bytes]:
-        events = []
-        async with running(stub(prefill), stub(decode)) as (url, cl):
-            async with asyncio.timeout(2 * DEADLINE):
-                async with cl.post(url + "/v1/completions", json=GREEDY) as resp:
-                    assert resp.status == 200
-                    async for line in resp.content:
-                        if line.startswith(b"data: "):
-                            events.append(line[6:].strip())
-                            p_answered.set()
-        return events
-
-    events = asyncio.run(main())
+    lines, _ = client_events(prefill, decode, p_answered)
+    events = [line[6:].strip() for line in lines]
     assert json.loads(events[0])["choices"][0]["text"] == " the"
     error = json.loads(events[1])["error"]
     assert error["leg"] == "decode" and error["code"] == 502
@@ -310,31 +308,11 @@ def answers_twice(firsts: tuple[str, str], seen: list[dict[str, Any]]) -> tuple[
     return decode, client_has_first
 
 
-def client_events(decoder: tuple[Any, asyncio.Event]) -> tuple[list[bytes], bytes]:
-    decode, client_has_first = decoder
-
-    async def main() -> tuple[list[bytes], bytes]:
-        events = []
-        async with running(stub(streams_one_token({})), stub(decode)) as (url, cl):
-            async with asyncio.timeout(2 * DEADLINE):
-                async with cl.post(url + "/v1/completions", json=GREEDY) as resp:
-                    assert resp.status == 200
-                    async for line in resp.content:
-                        if line.startswith(b"data: "):
-                            events.append(line + b"\n")
-                            client_has_first.set()
-                async with cl.get(url + "/metrics") as m:
-                    metrics = await m.read()
-        return events, metrics
-
-    return asyncio.run(main())
-
-
 def test_a_differing_first_token_from_d_makes_d_compute_the_request_again() -> None:
     """D's continuation would follow its own first token, not the client's: the router
     drops that stream and relays D's answer to the request asked again without P's KV."""
     seen: list[dict[str, Any]] = []
-    events, metrics = client_events(answers_twice((" a", " the"), seen))
+    events, metrics = client_events(streams_one_token({}), *answers_twice((" a", " the"), seen))
     assert events == [text_event(" the"), text_event(" dog"), text_event(".", "length"), DONE]
     assert len(seen) == 2
     assert "kv_transfer_params" in seen[0] and "cache_salt" not in seen[0]
@@ -344,7 +322,7 @@ def test_a_differing_first_token_from_d_makes_d_compute_the_request_again() -> N
 
 def test_a_first_token_that_differs_twice_ends_the_stream_with_an_error_event() -> None:
     seen: list[dict[str, Any]] = []
-    events, _ = client_events(answers_twice((" a", " a"), seen))
+    events, _ = client_events(streams_one_token({}), *answers_twice((" a", " a"), seen))
     assert len(seen) == 2
     assert events[0] == text_event(" the")
     error = json.loads(events[1][6:])["error"]
