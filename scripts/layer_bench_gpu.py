@@ -133,7 +133,8 @@ def tails(procs: list[Any], lines: int = 60) -> dict[str, str]:
     out = {}
     for proc in procs:
         kept = [ln for ln in proc.tail(20000).splitlines() if '"GET /' not in ln]
-        out[f"{proc.name}-{proc.popen.pid}"] = "\n".join(kept[-lines:])
+        # The exit status says whether a server died (an engine crash) or answers errors.
+        out[f"{proc.name}-{proc.popen.pid} rc={proc.popen.poll()}"] = "\n".join(kept[-lines:])
     return out
 
 
