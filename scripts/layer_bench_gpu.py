@@ -203,6 +203,10 @@ def measure(args: argparse.Namespace, model: str, hosts: HostPair, setup: Setup,
                     out["cells"].append({"round": r, "rate": rate, "size": n, "mode": m, **cell})
                     shown = {k: v for k, v in out["cells"][-1].items() if k != "tokens"}
                     print(json.dumps(shown), flush=True)
+                    if args.stop_on_failure and not cell["ok"]:
+                        out["cut"] = f"round {r}: stopped at the first failed request"
+                        print(out["cut"], flush=True)
+                        return
         last = time.monotonic() - t
         out["rounds_done"] = r + 1
 
@@ -265,6 +269,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                     help=f"tried when the probe fails; GPU default {GPU_UCX_FALLBACK!r}, "
                     "'' for none")  # fmt: skip
     ap.add_argument("--probe", action="store_true", help="stop after the probe")
+    ap.add_argument("--stop-on-failure", action="store_true",
+                    help="end the run at the first failed request (a broken link makes each "
+                         "later one wait for its timeout)")  # fmt: skip
     args = ap.parse_args(argv)
     gpu = args.device == "cuda"
     if args.ucx_env is None:
