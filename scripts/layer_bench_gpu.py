@@ -11,10 +11,10 @@ all). Model: tiny_model's ``gqa`` shape by default (16 layers, hidden 4096, 2 KV
 built on the GPU in a subprocess (the bench process never touches CUDA).
 
 Order: build the model, start all servers at once, probe (one request per mode at the
-smallest size: a broken UCX setting fails here, with the servers' log tails; a failed
-probe retries once with ``--ucx-fallback``), one warm-up request per size and mode, then
-rounds (every rate, size and mode once, modes alternating), until ``--rounds`` or until
-the next round would pass ``--budget-s`` (the JSON says so). Every request is recorded,
+smallest size: a broken UCX setting fails here, with the servers' log tails), one warm-up
+request per size and mode, then rounds (every rate, size and mode once, modes
+alternating), until ``--rounds``, until the next round would pass ``--budget-s`` (the JSON
+says so) or, with ``--stop-on-failure``, at the first failed request. Every request is recorded,
 failed ones too, with the bytes P sent on the link for it. Writes under ``--out``:
 layer-bench-gpu.json, layer-bench-gpu-RATE.png, logs/.
 
@@ -53,12 +53,12 @@ from layer_bench import MODES, Setup, ids, med, one, plot, start, summarize  # n
 from kvpush.deploy.servers import VllmServer, wait_healthy  # noqa: E402
 from tests.e2e.hosts import HostPair  # noqa: E402
 
-# UCX_RMA_PPLN_ENABLE (UCX 1.22; an unknown variable is only warned about in older ones):
-# PUTs of VRAM as a pipeline of host fragments instead of software emulation. No cuda_ipc:
-# the GPU is shared, so it would bypass the link. UCX_PROTO_INFO: the servers' logs name
-# the protocol UCX chose for each transfer.
-GPU_UCX = "UCX_TLS=tcp,cuda_copy UCX_RMA_PPLN_ENABLE=y UCX_PROTO_INFO=y"
-GPU_UCX_FALLBACK = "UCX_TLS=tcp,cuda_copy UCX_PROTO_INFO=y"  # UCX's software emulation
+# No cuda_ipc: the GPU is shared, so it would bypass the link. Not UCX_RMA_PPLN_ENABLE=y
+# (UCX's pipelined PUT of VRAM through host fragments): with it, a decoder's connections
+# broke for good after a few 128-512 MiB pushes in every run that had them, and without
+# it the same pushes took as long (docs/benchmarks.md). UCX_PROTO_INFO: the servers' logs
+# name the protocol UCX chose for each transfer.
+GPU_UCX = "UCX_TLS=tcp,cuda_copy UCX_PROTO_INFO=y"
 RATE_UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
 
 
@@ -140,39 +140,36 @@ def tails(procs: list[Any], lines: int = 60) -> dict[str, str]:
 
 def bring_up(args: argparse.Namespace, model: str, hosts: HostPair, out: dict[str, Any],
              deadline: float) -> tuple[Setup, list[Any]] | None:  # fmt: skip
-    """Servers that passed the probe (``--ucx-env``, else ``--ucx-fallback``), or None."""
-    tries = [args.ucx_env] + ([args.ucx_fallback] if args.ucx_fallback else [])
-    for k, ucx in enumerate(tries):
-        t = time.monotonic()
-        logs = Path(args.out, "logs", f"try{k}")
-        spec = server_spec(args, hosts, ucx)
-        setup = start(model, hosts, str(logs), args.max_len, spec, peer_copy="off")
-        p, d, routers = setup
-        procs = [*routers.values(), d, *p.values()]
-        probe: dict[str, Any] = {"ucx_env": ucx, "server_env": spec["env"], "logs": str(logs)}
-        out["probes"].append(probe)
-        try:
-            wait_healthy(procs, timeout=max(60.0, deadline - time.monotonic()))
-            probe["start_s"] = time.monotonic() - t
-            set_rate(hosts, args.rates[0])
-            for m in MODES:
-                # A short timeout: a UCX setting that hangs must not eat the budget.
-                probe[m] = one(routers[m], p[m], model, ids(args.sizes[0], 999), 30)
-                print(f"probe {m}: ok={probe[m]['ok']} ttft={probe[m]['ttft_s']} "
-                      f"error={probe[m]['error']}", flush=True)  # fmt: skip
-            probe["ok"] = all(probe[m]["ok"] for m in MODES)
-        except Exception as e:
-            probe["ok"] = False
-            probe["error"] = repr(e)[-2000:]
-        if probe["ok"]:
-            out["ucx_env"] = ucx
-            return setup, procs
-        probe["tails"] = tails(procs)
-        for name, text in probe["tails"].items():
-            print(f"---- {name} (probe with {ucx!r} failed) ----\n{text}", flush=True)
-        stop_all(procs)
-        if "TimeoutError" in probe.get("error", ""):
-            break  # slow to start, not a bad UCX setting: no time for another try
+    """The servers, once a request per mode went through (the probe), or None."""
+    t = time.monotonic()
+    logs = Path(args.out, "logs")
+    spec = server_spec(args, hosts, args.ucx_env)
+    setup = start(model, hosts, str(logs), args.max_len, spec, peer_copy="off")
+    p, d, routers = setup
+    procs = [*routers.values(), d, *p.values()]
+    probe: dict[str, Any] = {"ucx_env": args.ucx_env, "server_env": spec["env"],
+                             "logs": str(logs)}  # fmt: skip
+    out["probes"].append(probe)
+    try:
+        wait_healthy(procs, timeout=max(60.0, deadline - time.monotonic()))
+        probe["start_s"] = time.monotonic() - t
+        set_rate(hosts, args.rates[0])
+        for m in MODES:
+            # A short timeout: a UCX setting that hangs must not eat the budget.
+            probe[m] = one(routers[m], p[m], model, ids(args.sizes[0], 999), 30)
+            print(f"probe {m}: ok={probe[m]['ok']} ttft={probe[m]['ttft_s']} "
+                  f"error={probe[m]['error']}", flush=True)  # fmt: skip
+        probe["ok"] = all(probe[m]["ok"] for m in MODES)
+    except Exception as e:
+        probe["ok"] = False
+        probe["error"] = repr(e)[-2000:]
+    if probe["ok"]:
+        out["ucx_env"] = args.ucx_env
+        return setup, procs
+    probe["tails"] = tails(procs)
+    for name, text in probe["tails"].items():
+        print(f"---- {name} (probe failed) ----\n{text}", flush=True)
+    stop_all(procs)
     return None
 
 
@@ -265,9 +262,6 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--gpu-util", type=float, default=0.2, help="per server (three share)")
     ap.add_argument("--kv-cache-gib", type=float, default=4.0, help="per server (GPU)")
     ap.add_argument("--ucx-env", default=None, help=f"NAME=VALUE ...; GPU default {GPU_UCX!r}")
-    ap.add_argument("--ucx-fallback", default=None,
-                    help=f"tried when the probe fails; GPU default {GPU_UCX_FALLBACK!r}, "
-                    "'' for none")  # fmt: skip
     ap.add_argument("--probe", action="store_true", help="stop after the probe")
     ap.add_argument("--stop-on-failure", action="store_true",
                     help="end the run at the first failed request (a broken link makes each "
@@ -276,14 +270,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     gpu = args.device == "cuda"
     if args.ucx_env is None:
         args.ucx_env = GPU_UCX if gpu else ""
-    if args.ucx_fallback is None:
-        args.ucx_fallback = GPU_UCX_FALLBACK if gpu else ""
-    if args.ucx_fallback == args.ucx_env:
-        args.ucx_fallback = ""
     for rate in args.rates:
         if rate != "none":
             rate_bytes(rate)  # a bad rate fails now, not after the servers started
-    parse_env(args.ucx_env + " " + args.ucx_fallback)
+    parse_env(args.ucx_env)
     args.max_len = args.max_len or max(args.sizes) + 64
     args.chunk = args.chunk or args.max_len
     return args

@@ -307,8 +307,12 @@ class Producer:
     def _fail(self, t: PushTransfer, peer: Peer | None, reason: str) -> None:
         log.warning("push %s failed: %s", t.name, reason)
         transition(t, State.FAILED, t.name, reason)
-        if peer is not None and t.reg is not None:
-            self.s.notify(peer.agent, self._fail_msg(t.reg, reason))
+        if t.reg is not None:
+            msg = self._fail_msg(t.reg, reason)
+            if peer is not None and self.s.peers.by_agent.get(peer.agent) is peer:
+                self.s.notify(peer.agent, msg)
+            else:  # forgotten (a post found its connection broken): over a fresh handshake,
+                self._send_to(t.reg, msg)  # so D fails the request now, not at its watchdog
         self._finish(t)
 
     def _fail_to_d(self, t: PushTransfer, reason: str) -> None:

@@ -385,6 +385,36 @@ def test_a_write_on_a_dead_connection_fails_and_the_next_push_reconnects(
     pair.settle()
 
 
+def test_a_post_on_a_dead_connection_tells_d_over_a_fresh_one(
+    pair_factory: Callable[..., Pair],
+) -> None:
+    """NIXL refuses the post itself (the connection broke while idle): P forgets D, and
+    its PUSH_FAIL goes over a fresh handshake, so D fails the request at once instead of
+    at its watchdog (30 s here, past the wait below)."""
+    pair = pair_factory()
+    transport = pair.p.worker.peers.transport
+    real_write = transport.write
+    refused: list[bytes] = []
+
+    def write(peer: str, src: Any, dst: Any, notif: bytes) -> object:
+        if b"d1" in notif:  # every post of d1 (the early launch and the full path)
+            refused.append(notif)
+            raise PeerGoneError(f"write to {peer}: NIXL_ERR_REMOTE_DISCONNECT")
+        return real_write(peer, src, dst, notif)
+
+    transport.write = write  # type: ignore[method-assign]
+    pair.p.prefill("p1", "t1", 4)
+    pair.register("d1", "t1", 4)
+    pair.until(lambda: "failed" in pair.d_kinds("d1"), timeout=5.0, what="D told of the failure")
+    assert refused
+    reasons = [i for k, r, i in pair.d_events if r == "d1" and k == "failed"]
+    assert "could not be posted" in str(reasons)
+    pair.p.prefill("p2", "t2", 4)
+    pair.register("d2", "t2", 4)
+    pair.until(lambda: recv_ok(pair, "d2"), what="the next push, over the new connection")
+    pair.settle()
+
+
 def test_malformed_notifications_do_not_stop_the_writer(pair_factory: Callable[..., Pair]) -> None:
     pair = pair_factory()
     p_agent = pair.p.worker.info.agent_name
