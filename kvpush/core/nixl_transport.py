@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 import numpy as np
 
@@ -31,6 +31,19 @@ def _mapped(what: str) -> Iterator[None]:
         raise TransportError(f"{what}: {name}: {e}") from e
 
 
+def ucx_warning(env: Mapping[str, str], mem_type: str) -> str | None:
+    """A warning for UCX settings known to break KV pushes from or into GPU memory."""
+    value = env.get("UCX_RMA_PPLN_ENABLE", "").strip().lower()
+    if mem_type == "VRAM" and value in ("y", "yes", "on", "1", "true"):
+        return (
+            "UCX_RMA_PPLN_ENABLE=y with KV in GPU memory: in every kvpush GPU run over TCP "
+            "with 128-512 MiB pushes, a decoder's connections broke after a few of them and "
+            "stayed broken until restart; without it the same runs had no failure "
+            "(docs/benchmarks.md, '2k / 8k / 32k under MPS'). Unset it."
+        )
+    return None
+
+
 class NixlTransport(Transport):
     """A NIXL agent with its progress thread off: the worker's ticks drive it."""
 
@@ -52,7 +65,12 @@ class NixlTransport(Transport):
         self._peers: set[str] = set()
 
     def register(self, layout: KVLayout) -> None:
+        import os
+
         self._mem_type = layout.mem_type
+        warning = ucx_warning(os.environ, layout.mem_type)
+        if warning:
+            log.warning(warning)
         # Several regions may share one allocation: register each range once.
         spans = sorted({(r.base_addr, r.nbytes, r.device_id) for r in layout.regions})
         descs = [(addr, n, dev, "") for addr, n, dev in spans]
