@@ -230,9 +230,12 @@ class Consumer:
                 self.s.stats["withdrawn"] += 1
 
     def _cancel_sources(self, t: RecvTransfer) -> None:
-        """Ask every P rank to stop; wait (CANCELLING) for the sources still writing."""
+        """Ask every P rank to stop; wait (CANCELLING) for the sources still writing. A
+        source whose answer is in (its PUSH_FAIL, say) has ended its part: not asked."""
         cancel = wire.PushCancel(request_id=t.rid, transfer_id=t.reg.transfer_id)
         for agent in t.agents:
+            if agent in t.done_from:
+                continue
             if not self.s.notify(agent, cancel) and agent in t.sources:
                 t.done_from.add(agent)  # gone: nothing of it will land any more
         transition(t, State.CANCELLING, t.name, "waiting for P ranks to confirm")

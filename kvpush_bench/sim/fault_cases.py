@@ -213,6 +213,13 @@ def write_post_fails(m: Matrix, c: Ids) -> float:
 
 
 @case("WRITE", "", "failed", "failed", "now")
+def write_post_finds_peer_gone(m: Matrix, c: Ids) -> float:
+    """Posting the WRITE finds the connection to D broken (P forgets D; its PUSH_FAIL
+    goes over a fresh handshake)."""
+    return _arm_and_push(m, c, "P", Rule("write", "gone", match=c.marker))
+
+
+@case("WRITE", "", "failed", "failed", "now")
 def write_ends_in_error(m: Matrix, c: Ids) -> float:
     """The WRITE ends in ERROR."""
     return _arm_and_push(m, c, "P", Rule("write", "error", match=c.marker))

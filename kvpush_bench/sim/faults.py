@@ -16,7 +16,8 @@ recv       ``kill`` (SIGKILL when ``get_notifs`` returns it), ``drop``, ``dup``,
 write      ``kill`` (before posting), ``fail`` (post raises TransportError), ``error``
            (the WRITE ends in ERROR, nothing written), ``delay`` (post ``delay_s``
            late: the WRITE is in flight all that time), ``reset`` (raise PeerGoneError
-           and fail the next handshake)
+           and fail the next handshake), ``gone`` (raise PeerGoneError: the connection
+           broke while idle; the next handshake works)
 posted     ``kill`` (right after the WRITE was posted)
 handshake  ``fail`` (HandshakeError), ``delay`` (by ``delay_s``)
 =========  ==========================================================================
@@ -51,7 +52,7 @@ KINDS = ("REG", "FAIL", "CANCEL", "HB", "COMPLETION")
 ACTIONS: dict[str, frozenset[str]] = {
     "send": frozenset({"kill", "drop", "fail"}),
     "recv": frozenset({"kill", "drop", "dup", "delay", "reorder"}),
-    "write": frozenset({"kill", "fail", "error", "delay", "reset"}),
+    "write": frozenset({"kill", "fail", "error", "delay", "reset", "gone"}),
     "posted": frozenset({"kill"}),
     "handshake": frozenset({"fail", "delay"}),
 }
@@ -223,6 +224,8 @@ class FaultTransport(Transport):
         if rule.action == "reset":
             self.injector.arm_handshake_failure()
             raise PeerGoneError("injected: peer connection reset")
+        if rule.action == "gone":
+            raise PeerGoneError("injected: the connection broke before the post")
         if rule.action == "error":
             return _FailedWrite()
         return _DelayedWrite(post, time.monotonic() + rule.delay_s, notif)

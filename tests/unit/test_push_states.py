@@ -413,6 +413,8 @@ def test_a_post_on_a_dead_connection_tells_d_over_a_fresh_one(
     pair.register("d2", "t2", 4)
     pair.until(lambda: recv_ok(pair, "d2"), what="the next push, over the new connection")
     pair.settle()
+    # D asked no P rank to cancel what had ended: P would answer for a request D forgot.
+    assert pair.d.worker.stats["fail_unknown"] == 0
 
 
 def test_malformed_notifications_do_not_stop_the_writer(pair_factory: Callable[..., Pair]) -> None:
