@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from collections.abc import Iterator, Mapping
 
 import numpy as np
@@ -48,8 +49,6 @@ class NixlTransport(Transport):
     """A NIXL agent with its progress thread off: the worker's ticks drive it."""
 
     def __init__(self, agent_name: str, backends: tuple[str, ...] = ("UCX",)) -> None:
-        import os
-
         from nixl._api import nixl_agent, nixl_agent_config
 
         if "NIXL_LOG_LEVEL" not in os.environ:  # its INFO lines drown our output
@@ -65,8 +64,6 @@ class NixlTransport(Transport):
         self._peers: set[str] = set()
 
     def register(self, layout: KVLayout) -> None:
-        import os
-
         self._mem_type = layout.mem_type
         warning = ucx_warning(os.environ, layout.mem_type)
         if warning:
