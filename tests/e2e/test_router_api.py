@@ -179,10 +179,21 @@ def test_the_first_token_comes_from_p_while_d_is_frozen(env: dict[str, Any], pat
     body.update({"messages": MESSAGES} if path == CHAT else {"prompt": PROMPT})
     case = Case("frozen_d", path, body)
     _, want, _ = send(env["plain"], case, env["model"])
-    data = json.dumps({"model": env["model"], **body}).encode()
-    req = urllib.request.Request(c.router.url + path, data, {"Content-Type": "application/json"})
+    full = {"model": env["model"], **body}
+    events, gave_up = _stream_with_d_stopped(c, c.router.url + path, full)
+    assert not gave_up, "no first token from P while D was stopped"
+    assert not differences(merged(strip(events)), merged(strip(want)))
+    assert metric(c.router.url, "kvpush_router_first_token_mismatch_total") == 0
+
+
+def _stream_with_d_stopped(c: Cluster, url: str, body: dict[str, Any]) -> tuple[list[Any], bool]:
+    """Stream ``body`` from ``url`` with D stopped until the client has its first event;
+    the events (``[DONE]`` as a string), and whether D had to be resumed after 20 s without
+    one (then that event was not P's)."""
+    data = json.dumps(body).encode()
+    req = urllib.request.Request(url, data, {"Content-Type": "application/json"})
     events: list[Any] = []
-    gave_up = threading.Event()  # D resumed without the client's first event: not P's
+    gave_up = threading.Event()
 
     def resume() -> None:
         gave_up.set()
@@ -201,9 +212,7 @@ def test_the_first_token_comes_from_p_while_d_is_frozen(env: dict[str, Any], pat
     finally:
         timer.cancel()
         c.d.send(signal.SIGCONT)
-    assert not gave_up.is_set(), "no first token from P while D was stopped"
-    assert not differences(merged(strip(events)), merged(strip(want)))
-    assert metric(c.router.url, "kvpush_router_first_token_mismatch_total") == 0
+    return events, gave_up.is_set()
 
 
 def test_client_hang_up_cancels_both_legs(env: dict[str, Any], tmp_path: Path) -> None:
@@ -272,21 +281,10 @@ def test_ds_differing_first_token_is_computed_again(env: dict[str, Any], tmp_pat
     c: Cluster = env["cluster"]
     body: dict[str, Any] = {"prompt": PROMPT, "stream": True, "temperature": 0, "max_tokens": 8}
     _, want, _ = send(env["plain"], Case("again", COMPLETIONS, body), env["model"])
-    events: list[Any] = []
     with via_link(c, tmp_path, hold=False, rewrite_first=_other_first_char) as (router, link):
-        data = json.dumps({"model": env["model"], **body}).encode()
-        headers = {"Content-Type": "application/json"}
-        req = urllib.request.Request(router.url + COMPLETIONS, data, headers)
-        c.d.send(signal.SIGSTOP)
-        try:
-            with urllib.request.urlopen(req, timeout=60) as resp:
-                for line in resp:
-                    c.d.send(signal.SIGCONT)  # the client has its first event: P's
-                    if line.startswith(b"data:"):
-                        payload = line[5:].strip()
-                        events.append("[DONE]" if payload == b"[DONE]" else json.loads(payload))
-        finally:
-            c.d.send(signal.SIGCONT)
+        url = router.url + COMPLETIONS
+        events, gave_up = _stream_with_d_stopped(c, url, {"model": env["model"], **body})
+        assert not gave_up, "no first token from P while D was stopped"
         assert link.passed_first.is_set()
         assert len(link.posts) == 2, "D was not asked again"
         assert metric(router.url, "kvpush_router_first_token_mismatch_total") == 1
