@@ -322,11 +322,13 @@ def test_stream_cut_by_a_dead_decoder_ends_with_an_error_event(
             for line in resp:
                 if line.startswith(b"data:"):
                     events.append(line[5:].strip())
-    assert len(events) == 3, events  # D's first event, the router's error, [DONE]
-    assert "choices" in json.loads(events[0])
-    error = json.loads(events[1])["error"]
+    # The tokens so far (D's first event; P's first token may have come before it, from
+    # the router's first-token path), the router's error, [DONE].
+    assert len(events) >= 3, events
+    assert all("choices" in json.loads(e) for e in events[:-2]), events
+    error = json.loads(events[-2])["error"]
     assert error["leg"] == "decode" and error["code"] == 502, error
-    assert events[2] == b"[DONE]"
+    assert events[-1] == b"[DONE]"
 
 
 @contextmanager

@@ -24,6 +24,7 @@ BYTES_PER_BLOCK = 2 * 64 * 1024  # tiny model: 2 layers x one 64 KiB block each
 EARLY = "vllm:kvpush_early_hand_overs_total"
 DESCS = "vllm:kvpush_write_descriptors_total"
 SENT = "vllm:kvpush_pushes_sent_total"
+RECEIVED = "vllm:kvpush_pushes_received_total"
 SECRET = "e2e-shared-secret-4d0c2a9e"  # P and D prove it to each other at every handshake
 
 
@@ -122,11 +123,11 @@ def test_a_prefix_cached_on_d_is_not_pushed(env: dict[str, Any]) -> None:
     third, into D's last block, and the answer is still the plain server's."""
     c: Cluster = env["cluster"]
     first, second = SHARED
-    sent = metric(c.p.url, SENT)
     assert same(first.send(c.router.url, env["model"]), env["reference"][first.name])
-    # P's stats may come a step after its answer: without this wait the first push's
-    # descriptors could land after the baseline below and count as the second's.
-    wait_until(lambda: metric(c.p.url, SENT) == sent + 1, 10, what="P's first push")
+    # P sees its WRITE done after D does, so P's stats for a push (its descriptors too)
+    # can come after D's answer: baselines and counts are taken once P's count of pushes
+    # caught up with D's (once, an earlier push's descriptors counted as the second's).
+    pushes_counted(c)
     source = "vllm:prompt_tokens_by_source_total"
     pushed = metric(c.d.url, "vllm:kvpush_bytes_received_total")
     descs = metric(c.p.url, DESCS)
@@ -142,8 +143,15 @@ def test_a_prefix_cached_on_d_is_not_pushed(env: dict[str, Any]) -> None:
         what="P's prefix cache hit",
     )
     # One block in each of the two layers: a descriptor each.
-    wait_until(lambda: metric(c.p.url, DESCS) - descs >= 2, 10, what="P's descriptors")
+    pushes_counted(c)
     assert metric(c.p.url, DESCS) - descs == 2
+
+
+def pushes_counted(c: Cluster) -> None:
+    """Wait until P's stats count every push D received (none failed in this module)."""
+    wait_until(
+        lambda: metric(c.p.url, SENT) == metric(c.d.url, RECEIVED), 10, what="P's push count"
+    )
 
 
 def test_no_blocks_held_afterwards(env: dict[str, Any]) -> None:
