@@ -25,6 +25,7 @@ import json
 import multiprocessing as mp
 import os
 import random
+import shlex
 import stat
 import sys
 import tempfile
@@ -48,7 +49,7 @@ def in_host(ctx: Any, host: Host, target: Any, args: tuple[Any, ...]) -> Any:
     """Start a spawn-context process inside ``host`` (its namespace, its /dev/shm): the
     spawned interpreter is started through the host's prefix."""
     wrapper = Path(tempfile.mkdtemp(prefix="kvpush-link-")) / "python"
-    quoted = " ".join(f"'{a}'" for a in host.prefix())
+    quoted = shlex.join(host.prefix())  # (the prefix's shell script has quotes of its own)
     wrapper.write_text(f'#!/bin/sh\nexec {quoted} {sys.executable} "$@"\n')
     wrapper.chmod(wrapper.stat().st_mode | stat.S_IXUSR)
     ctx.set_executable(str(wrapper))

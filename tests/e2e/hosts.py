@@ -159,8 +159,11 @@ class HostPair:
 
     @staticmethod
     def env() -> dict[str, str]:
-        """UCX on the link's TCP only: no shared memory, no cross-memory attach."""
-        return {"UCX_TLS": "tcp", "UCX_NET_DEVICES": LINK}
+        """UCX on the link's TCP only: no shared memory, no cross-memory attach. Where
+        the machine has an NVIDIA GPU, NIXL refuses a UCX_TLS without ``cuda_copy`` (it
+        moves no byte between two hosts' CPU memory)."""
+        tls = "tcp,cuda_copy" if os.path.exists("/proc/driver/nvidia") else "tcp"
+        return {"UCX_TLS": tls, "UCX_NET_DEVICES": LINK}
 
     def __enter__(self) -> HostPair:
         if os.geteuid() != 0:
