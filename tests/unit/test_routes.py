@@ -172,3 +172,47 @@ def test_an_armed_write_posts_only_checked_ids_behind_a_finished_event() -> None
     # P's ids outside its own layout: declined, for the full path to fail it.
     assert route.launch(armed, pend, StagedBlocks("p2", [[15, 16]])) is None
     assert peers.stats["write_early"] == 1
+
+
+def test_a_write_made_ready_during_the_forward_is_what_the_end_posts() -> None:
+    """P's ids known at the step's start (``StepMeta.early``): the WRITE is made then
+    (``make_ready``), and the hand-over posts exactly it; other ids get their own."""
+    from kvpush.core.records import PendingReg, PRequest, PushTransfer
+    from kvpush.core.types import StagedBlocks
+
+    peers = table(None)
+    peer = meet(peers, "D1", 1, None)
+    fabric = peers.transport.fabric  # type: ignore[attr-defined]
+    fabric.agents["D1"].register(LAYOUT)
+    fabric.hold_writes = True  # (LAYOUT's addresses are not memory: nothing is copied)
+    route = peer.route
+    assert isinstance(route, WriteRoute)
+    dst = [np.array([1, 2])]
+    armed = route.arm(peer, push_reg(1), dst)
+    assert armed is not None
+    pend = PendingReg(push_reg(1), "D1", 0.0, dst, armed)
+    ids = [[7, 8, 9]]
+    route.make_ready(armed, pend, StagedBlocks("p1", ids))
+    assert armed.ready is not None and peers.stats["write_ready"] == 1 and not fabric.writes
+    # Blocks still being written at the hand-over: nothing posted, the WRITE stays ready
+    # for the leg's post, which takes it once they are.
+    assert route.launch(armed, pend, StagedBlocks("p1", ids, None, Event(False))) is None
+    assert armed.ready is not None and not fabric.writes
+    preq = PRequest("p1", ids, None, after=Event(True))
+    leg = PushTransfer("p1", ids, None, preq=preq, stats=peers.stats)
+    leg.reg, leg.dst, leg.armed = push_reg(1), dst, armed
+    flight = route.post(leg, peer)
+    assert flight is not None and flight.nbytes == 2 * 64  # P's last two blocks, as built
+    (write,) = fabric.writes
+    assert write.src.tolist() == [[4096 + 8 * 64, 128, 0]]
+    assert write.dst.tolist() == [[4096 + 1 * 64, 128, 0]]
+    assert write.notif == armed.ready.notif
+    # The hand-over names other ids than announced: they are built now, not the ready ones.
+    flight = route.launch(armed, pend, StagedBlocks("p1", [[3, 4, 5]]))
+    assert flight is not None and peers.stats["write_early"] == 1
+    assert fabric.writes[-1].src.tolist() == [[4096 + 4 * 64, 128, 0]]
+    # An id outside P's layout makes nothing ready: the post meets it with the reason.
+    other = route.arm(peer, push_reg(1), dst)
+    assert other is not None
+    route.make_ready(other, pend, StagedBlocks("p2", [[15, 16, 17]]))
+    assert other.ready is None and peers.stats["write_ready"] == 1
