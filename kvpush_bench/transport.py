@@ -10,11 +10,9 @@ WRITEs move the same blocks (P's ``src`` ids into D's ``dst`` ids), in rotating 
 - raw_runs: the same with one descriptor per run of blocks contiguous on both sides, the
   blocks taken in P's order (what a careful hand-written NIXL caller would post).
 - kvpush: D's worker has registered ``dst`` with P (``PUSH_REG``, not timed); P's engine
-  names the prefill its step ends (``StepMeta.early``: the WRITE is made during the
-  forward, ``FORWARD_S``), then hands its worker the blocks at the forward's end
-  (``hand_over``), as vLLM's connector does; timed from the hand-over until the worker
-  sees the WRITE DONE (its ``transport.check``). The WRITE is posted and checked on the
-  calling thread, as the raw WRITE is.
+  hands its worker the finished blocks (``start_step``), timed until the worker sees the
+  WRITE DONE (its ``transport.check``): matching, descriptors (one per contiguous run),
+  post. The WRITE is posted and checked on the calling thread, as the raw WRITE is.
   P's and D's engines step as vLLM with kvpush's connector does while a push is pending:
   empty steps back to back for ``IDLE_SPIN_S``, then one every ``IDLE_SLEEP_S``
   (``EngineLoop``; vLLM's own work per step is not included, so this is the connector's
@@ -54,7 +52,6 @@ KV_MODES = ("kvpush",)
 # checks they stay equal).
 IDLE_SPIN_S = 0.005
 IDLE_SLEEP_S = 0.0005
-FORWARD_S = 0.001  # the forward of the step that ends a prefill (a short prompt's)
 
 
 class EngineLoop:
@@ -233,15 +230,8 @@ class _Side:
 
         w = self.workers[mode]
         descs0 = w.stats["write_descs"]
-        staged = StagedBlocks(rid, [src], rid)
-        # As vLLM's connector hands over: the step's metadata names the prefill it ends
-        # (StepMeta.early), the forward runs, its end hands the blocks over (timed from
-        # there), and the next step confirms the engine finished the request.
-        w.start_step(StepMeta(early=[staged]))
-        time.sleep(FORWARD_S)
         t0 = time.monotonic()
-        w.hand_over([staged])
-        w.start_step(StepMeta(confirmed=[rid]))
+        w.start_step(StepMeta(finished=[StagedBlocks(rid, [src], rid)]))
         out = self._until(w, rid, "finished_sending", timeout)
         # t_done: the WRITE path's end (the worker saw DONE); t_engine: P's next engine step.
         out["t_engine"], out["t_done"] = out.get("t_done", 0.0), self.write_done[mode]

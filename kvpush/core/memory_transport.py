@@ -11,7 +11,6 @@ import ctypes
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
@@ -100,7 +99,7 @@ class MemoryTransport(Transport):
             any(lo <= a and a + n <= hi for lo, hi in self._spans) for a, n, _ in descs.tolist()
         )
 
-    def write(self, peer: str, src: Any, dst: Any, notif: bytes) -> object:
+    def write(self, peer: str, src: np.ndarray, dst: np.ndarray, notif: bytes) -> object:
         with self.fabric.lock:
             target = self._target(peer)
             if not self.covers(src) or not target.covers(dst):

@@ -6,7 +6,6 @@ import contextlib
 import logging
 import os
 from collections.abc import Iterator, Mapping
-from typing import Any
 
 import numpy as np
 
@@ -99,20 +98,12 @@ class NixlTransport(Transport):
         except Exception as e:  # best effort: the peer may already be gone
             log.debug("remove_remote_agent(%s): %s", name, e)
 
-    def prepare(self, src: np.ndarray, dst: np.ndarray) -> tuple[Any, Any]:
-        # NIXL's descriptor lists: plain objects, no agent state (initialize_xfer makes that).
-        with _mapped("descriptor lists"):
-            return self._lists(src), self._lists(dst)
-
-    def _lists(self, rows: np.ndarray) -> Any:
-        return self._agent.get_xfer_descs(np.ascontiguousarray(rows), self._mem_type)
-
-    def write(self, peer: str, src: Any, dst: Any, notif: bytes) -> object:
+    def write(self, peer: str, src: np.ndarray, dst: np.ndarray, notif: bytes) -> object:
         if peer not in self._peers:
             raise PeerUnknownError(f"peer {peer} not added")
         with _mapped(f"write to {peer}"):
-            local = self._lists(src) if isinstance(src, np.ndarray) else src
-            remote = self._lists(dst) if isinstance(dst, np.ndarray) else dst
+            local = self._agent.get_xfer_descs(np.ascontiguousarray(src), self._mem_type)
+            remote = self._agent.get_xfer_descs(np.ascontiguousarray(dst), self._mem_type)
             handle = self._agent.initialize_xfer("WRITE", local, remote, peer, notif)
             try:
                 state = self._agent.transfer(handle)

@@ -91,17 +91,6 @@ class Producer:
         if preq.prid in self.by_prid and preq.waiting():
             self.staged.add(key, preq)
 
-    def foresee(self, staged: StagedBlocks) -> None:
-        """A prefill this step ends, known at its start (``StepMeta.early``): if D's only
-        registration came before and armed a leg, its route prepares the rest while the
-        forward runs (``Route.make_ready``)."""
-        group = self.pending_regs.by_tid(staged.transfer_id)
-        if group is None or len(group.regs) != 1 or staged.feed is not None:
-            return
-        (pend,) = group.regs.values()
-        if pend.armed is not None:
-            pend.armed.route.make_ready(pend.armed, pend, staged)
-
     def on_evict(self, prid: str) -> None:
         preq = self.by_prid.get(prid)
         if preq is None:

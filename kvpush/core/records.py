@@ -28,17 +28,6 @@ DKey = tuple[str, str]  # (D agent that registered, D request id)
 
 
 @dataclass
-class Ready:
-    """A WRITE made once P's ids were known too, before its prefill ended: the end only
-    posts it (``WriteRoute.prepare``). Holds no transport state: unused, it is garbage."""
-
-    block_ids: list[list[int]]  # P's, as announced (``StagedBlocks.block_ids``)
-    src: np.ndarray  # P's rows (what the flight counts)
-    lists: tuple[Any, Any]  # ``Transport.prepare``'s form of P's and D's rows
-    notif: bytes
-
-
-@dataclass
 class Armed:
     """A leg its route prepared when D registered: only P's ids are missing."""
 
@@ -46,7 +35,6 @@ class Armed:
     agent: str  # the D agent it was prepared for
     dst: CopyDst | None  # a copy's D half (a WRITE's D ids were checked: None)
     handle: object  # the route's: the peer-copy hook's prepared copy, a WRITE's region pairs
-    ready: Ready | None = None  # a WRITE's, once P's ids were known before the hand-over
 
 
 @dataclass(slots=True)  # (made on the early launch's path: kept light)

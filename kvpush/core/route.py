@@ -14,7 +14,7 @@ from kvpush.core import layer_route, wire
 from kvpush.core.errors import LayoutError, PeerGoneError, TransportError
 from kvpush.core.few_descs import SHORT_ROWS
 from kvpush.core.layout import validate_block_ids
-from kvpush.core.records import Armed, Flight, PendingReg, PushTransfer, Ready, source_blocks
+from kvpush.core.records import Armed, Flight, PendingReg, PushTransfer, source_blocks
 from kvpush.core.routing import RegionPair, build_pair_descs
 from kvpush.core.transport import WriteState
 from kvpush.core.types import StagedBlocks
@@ -36,10 +36,6 @@ class Route:
     def arm(self, peer: Peer, reg: wire.PushReg, dst: list[np.ndarray]) -> Armed | None:
         """D registered before P's blocks are ready: prepare what can be (optional)."""
         return None
-
-    def make_ready(self, armed: Armed, pend: PendingReg, staged: StagedBlocks) -> None:
-        """P's ids are known before its prefill ends (``StepMeta.early``): prepare the
-        rest (optional)."""
 
     def launch(self, armed: Armed, pend: PendingReg, staged: StagedBlocks) -> Flight | None:
         """Post an armed leg before the producer's bookkeeping (``Sender.launch_armed``);
@@ -94,23 +90,6 @@ class WriteRoute(Route):
             return None  # the post meets it again and fails the leg with the reason
         return Armed(self, peer.agent, None, pairs)
 
-    def make_ready(self, armed: Armed, pend: PendingReg, staged: StagedBlocks) -> None:
-        """The WRITE made while P's forward runs (descriptors, the notice, NIXL's lists),
-        so that the end of the prefill only posts it. Nothing is held meanwhile."""
-        peer = self.peers.get(pend.reg.decode_host, pend.reg.decode_port)
-        if peer is None or peer.agent != armed.agent or peer.route is not self:
-            return
-        assert isinstance(armed.handle, list)
-        try:
-            src_groups = source_blocks(pend.dst, staged.block_ids)
-            src, dst = self._descs(peer, armed.handle, src_groups, pend.dst, True)
-            notif = wire.encode_completion(pend.reg.request_id, self.peers.config.tp_size)
-            lists = self.peers.transport.prepare(src, dst)
-        except Exception:  # the post builds it again and meets the reason
-            return
-        armed.ready = Ready(staged.block_ids, src, lists, notif)
-        self.peers.stats["write_ready"] += 1
-
     def launch(self, armed: Armed, pend: PendingReg, staged: StagedBlocks) -> Flight | None:
         # Kept short: it runs at the end of a prefill. Anything unusual takes ``post``.
         peer = self.peers.get(pend.reg.decode_host, pend.reg.decode_port)
@@ -120,43 +99,33 @@ class WriteRoute(Route):
         try:
             if staged.after is not None and not staged.after.query():
                 return None  # the blocks' writes still run: the leg waits in ``settling``
-            ready = _ready(armed, staged.block_ids)
-            if ready is None:
-                src_groups = source_blocks(pend.dst, staged.block_ids)
-                src, dst = self._descs(peer, armed.handle, src_groups, pend.dst, True)
-                notif = wire.encode_completion(pend.reg.request_id, self.peers.config.tp_size)
-                ready = Ready(staged.block_ids, src, (src, dst), notif)
-            handle = self.peers.transport.write(peer.agent, *ready.lists, ready.notif)
+            src_groups = source_blocks(pend.dst, staged.block_ids)
+            src, dst = self._descs(peer, armed.handle, src_groups, pend.dst, True)
+            notif = wire.encode_completion(pend.reg.request_id, self.peers.config.tp_size)
+            handle = self.peers.transport.write(peer.agent, src, dst, notif)
         except Exception:  # nothing was posted: the full path meets it again, with the reason
             return None
         self.peers.stats["write_early"] += 1
-        return self._flight(peer, handle, ready.src)
+        return self._flight(peer, handle, src)
 
     def post(self, t: PushTransfer, peer: Peer) -> Flight | None:
         assert t.reg is not None
         peers = self.peers
         if t.preq is not None and t.preq.feed is not None:  # layer by layer
             return layer_route.start(self, peers, t, peer)
-        armed = t.armed
-        ready = None
-        if armed is not None and armed.route is self and armed.agent == peer.agent:
-            ready = _ready(armed, t.blocks)  # made while P's forward ran
-        if ready is None:
-            src_groups = source_blocks(t.dst, t.blocks)
+        src_groups = source_blocks(t.dst, t.blocks)
         if not settled(t):  # NIXL reads the bytes as they are
             return None
-        if ready is None:
-            src, dst = self._descs(peer, peers.pairs_to(peer), src_groups, t.dst, False)
-            notif = wire.encode_completion(t.reg.request_id, peers.config.tp_size)
-            ready = Ready(t.blocks, src, (src, dst), notif)
+        src, dst = self._descs(peer, peers.pairs_to(peer), src_groups, t.dst, False)
+        notif = wire.encode_completion(t.reg.request_id, peers.config.tp_size)
         try:
-            handle = peers.transport.write(peer.agent, *ready.lists, ready.notif)
+            handle = peers.transport.write(peer.agent, src, dst, notif)
         except TransportError as e:
             peers.stats["write_failed"] += 1
             if isinstance(e, PeerGoneError):
                 peers.forget(peer.agent)
             raise TransportError(f"WRITE could not be posted: {e}") from e
-        return self._flight(peer, handle, ready.src)
+        return self._flight(peer, handle, src)
 
     def _descs(
         self,
@@ -194,11 +163,3 @@ class WriteRoute(Route):
     def release(self, f: Flight) -> None:
         if not isinstance(f.handle, layer_route.LayerWrites):  # (its WRITEs are released)
             self.peers.transport.release(f.handle)
-
-
-def _ready(armed: Armed, block_ids: list[list[int]]) -> Ready | None:
-    """The WRITE made ahead, if it was made for these ids of P's."""
-    ready = armed.ready
-    if ready is None or not (ready.block_ids is block_ids or ready.block_ids == block_ids):
-        return None
-    return ready

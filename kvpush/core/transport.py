@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
-from typing import Any
 
 import numpy as np
 
@@ -47,15 +46,9 @@ class Transport(ABC):
     def remove_peer(self, name: str) -> None:
         """Forget a peer (it died or restarted); unknown names are ignored."""
 
-    def prepare(self, src: np.ndarray, dst: np.ndarray) -> tuple[Any, Any]:
-        """A WRITE's descriptors in the form ``write`` takes them fastest, made before it
-        is posted. Holds nothing: an unused pair is garbage."""
-        return src, dst
-
     @abstractmethod
-    def write(self, peer: str, src: Any, dst: Any, notif: bytes) -> object:
-        """Post one WRITE of src descriptors into the peer's dst (arrays, or what
-        ``prepare`` made of them); ``notif`` arrives after it."""
+    def write(self, peer: str, src: np.ndarray, dst: np.ndarray, notif: bytes) -> object:
+        """Post one WRITE of src descriptors into the peer's dst; ``notif`` arrives after it."""
 
     @abstractmethod
     def check(self, handle: object) -> WriteState:

@@ -140,8 +140,6 @@ class PushWorker:
                 del self._handed[rid]
                 self.emit("sent", rid)  # its push ended before: reported at get_finished
         self._take_finished(meta.finished)  # first: its copy starts before anything else
-        for staged in meta.early:  # handed over at the forward's end: WRITEs made meanwhile
-            self._guard(self.producer.foresee, staged)
         for reg in meta.registrations:
             self.consumer.reg_send_inbox.put(("reg", reg, None))
         for rid in meta.cancels:

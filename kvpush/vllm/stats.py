@@ -24,7 +24,6 @@ _DOCS = {
     "write_descriptors": "NIXL descriptors this prefiller's WRITEs posted (kvpush)",
     "push_failures": "Failed pushes and receives, by cause (kvpush)",
     "early_hand_overs": "Requests this prefiller pushed at the end of their forward (kvpush)",
-    "writes_prepared": "WRITEs made while their prefill's forward ran, posted at its end (kvpush)",
     "layer_writes": "WRITEs of one layer's blocks, for prompts pushed layer by layer (kvpush)",
     "layers_unreported": "Layers a forward did not report, pushed at its end instead (kvpush)",
     "withdrawals": "Requests aborted on D before they registered: D sent / P freed (kvpush)",

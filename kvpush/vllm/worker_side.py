@@ -31,7 +31,6 @@ COUNTERS: dict[str, tuple[str, ...]] = {
     # region; many per push means scattered blocks (each a separate transfer for UCX).
     "write_descriptors": ("write_descs",),
     "early_hand_overs": ("handed_over",),
-    "writes_prepared": ("write_ready",),  # WRITEs made while their prefill's forward ran
     "layer_writes": ("layer_writes",),  # WRITEs of one layer (layerwise_min_tokens)
     "layers_unreported": ("layers_unreported",),  # ... posted at the forward's end instead
     "withdrawals": ("withdrawn",),

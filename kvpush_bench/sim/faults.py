@@ -208,10 +208,7 @@ class FaultTransport(Transport):
 
     # ---- WRITEs --------------------------------------------------------------------------
 
-    def prepare(self, src: np.ndarray, dst: np.ndarray) -> tuple[Any, Any]:
-        return self.inner.prepare(src, dst)
-
-    def write(self, peer: str, src: Any, dst: Any, notif: bytes) -> object:
+    def write(self, peer: str, src: np.ndarray, dst: np.ndarray, notif: bytes) -> object:
         self.calls["write"] += 1
         return self._post(notif, lambda: self.inner.write(peer, src, dst, notif))
 

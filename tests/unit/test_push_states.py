@@ -148,25 +148,6 @@ def test_a_write_armed_at_registration_posts_first_thing(
     pair.settle()
 
 
-def test_a_prefill_named_at_its_step_start_pushes_the_write_made_meanwhile(
-    pair_factory: Callable[..., Pair],
-) -> None:
-    """As vLLM's connector hands over (the step names the prefill it ends, the forward's
-    end hands it over): with D registered first, the WRITE is made at the step's start
-    and the hand-over only posts it; the bytes land as they would otherwise."""
-    pair = pair_factory()
-    for i in range(3):  # the first meets D: nothing to arm yet
-        pair.register(f"d{i}", f"t{i}", 3)
-        pair.until(lambda: len(pair.p.worker.producer.pending_regs) == 1, what="D's PUSH_REG")
-        pair.p.prefill(f"p{i}", f"t{i}", 3, early=True)
-        pair.until(lambda i=i: recv_ok(pair, f"d{i}"), what=f"verified receive {i}")
-        pair.p.finish(f"p{i}")
-        pair.until(lambda i=i: "sent" in pair.p_kinds(f"p{i}"), what="finished_sending on P")
-    st = pair.p.worker.stats
-    assert st["write_ready"] == 2 and st["write_early"] == 2 and st["writes_done"] == 3
-    pair.settle()
-
-
 def test_handshake_failure_on_d_fails_the_receive(pair_factory: Callable[..., Pair]) -> None:
     pair = pair_factory()
     pair.d.register("d1", "t1", 2, "P", "127.0.0.1", free_port())  # nothing listens there
