@@ -24,7 +24,7 @@ from kvpush.core.layers import LayerFeed
 from kvpush.core.layout import KVLayout
 from kvpush.core.records import Flight, PushTransfer
 from kvpush.core.routing import RegionPair, build_pair_descs
-from kvpush.core.transport import WriteState
+from kvpush.core.transport import WriteState, row_bytes
 
 if TYPE_CHECKING:
     from kvpush.core.peers import Peer, PeerTable
@@ -159,7 +159,7 @@ def _write(
         lw.error = f"WRITE could not be posted: {e}"
         return
     lw.handles.append(handle)
-    nbytes = int(src[:, 1].sum()) if len(src) else 0
+    nbytes = row_bytes(src)
     peers.stats["layer_writes"] += 1
     peers.stats["write_descs"] += len(src)
     peers.stats["write_bytes"] += nbytes

@@ -244,3 +244,34 @@ def pair_extents(
     s_off = starts - (s_end[si] - s_len[si])
     d_off = starts - (d_end[di] - d_len[di])
     return s_addr[si] + s_off, d_addr[di] + d_off, bounds - starts
+
+
+def coalesce(
+    sa: np.ndarray, da: np.ndarray, ln: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Merge consecutive pieces that continue contiguously on both sides."""
+    if sa.size <= 1:
+        return sa, da, ln
+    cont = (sa[1:] == sa[:-1] + ln[:-1]) & (da[1:] == da[:-1] + ln[:-1])
+    starts = np.concatenate(([0], np.flatnonzero(~cont) + 1))
+    return sa[starts], da[starts], np.add.reduceat(ln, starts)
+
+
+def coalesce_equal(
+    sa: np.ndarray, da: np.ndarray, length: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``coalesce`` for pieces all ``length`` bytes long, the common case, in fewer passes."""
+    n = sa.size
+    if n <= 1:
+        return sa, da, np.full(n, length, dtype=np.int64)
+    # A piece starts a run unless both sides continue the previous one.
+    breaks = np.flatnonzero((np.diff(sa) != length) | (np.diff(da) != length))
+    if breaks.size == n - 1:  # nothing merges (scattered): no gathers needed
+        return sa, da, np.full(n, length, dtype=np.int64)
+    starts = np.empty(breaks.size + 1, dtype=np.int64)
+    starts[0] = 0
+    starts[1:] = breaks + 1
+    ends = np.empty_like(starts)
+    ends[:-1] = starts[1:]
+    ends[-1] = n
+    return sa[starts], da[starts], (ends - starts) * length

@@ -16,7 +16,7 @@ import numpy as np
 
 from kvpush.core.errors import PeerGoneError, PeerUnknownError, TransportError
 from kvpush.core.layout import KVLayout
-from kvpush.core.transport import Transport, WriteState
+from kvpush.core.transport import Rows, Transport, WriteState, rows_array
 
 
 @dataclass(eq=False)  # a handle: compared by identity (its arrays cannot be compared by ==)
@@ -99,7 +99,8 @@ class MemoryTransport(Transport):
             any(lo <= a and a + n <= hi for lo, hi in self._spans) for a, n, _ in descs.tolist()
         )
 
-    def write(self, peer: str, src: np.ndarray, dst: np.ndarray, notif: bytes) -> object:
+    def write(self, peer: str, src: Rows, dst: Rows, notif: bytes) -> object:
+        src, dst = rows_array(src), rows_array(dst)
         with self.fabric.lock:
             target = self._target(peer)
             if not self.covers(src) or not target.covers(dst):

@@ -11,7 +11,7 @@ import numpy as np
 
 from kvpush.core.errors import PeerGoneError, PeerUnknownError, TransportError
 from kvpush.core.layout import KVLayout
-from kvpush.core.transport import Transport, WriteState
+from kvpush.core.transport import Rows, Transport, WriteState
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +30,11 @@ def _mapped(what: str) -> Iterator[None]:
         if "NotFound" in name:
             raise PeerUnknownError(f"{what}: {e}") from e
         raise TransportError(f"{what}: {name}: {e}") from e
+
+
+def _nixl_rows(rows: Rows) -> Rows:
+    # NIXL takes a list of (address, length, device) tuples as it is, an array if contiguous.
+    return rows if isinstance(rows, list) else np.ascontiguousarray(rows)
 
 
 def ucx_warning(env: Mapping[str, str], mem_type: str) -> str | None:
@@ -98,12 +103,12 @@ class NixlTransport(Transport):
         except Exception as e:  # best effort: the peer may already be gone
             log.debug("remove_remote_agent(%s): %s", name, e)
 
-    def write(self, peer: str, src: np.ndarray, dst: np.ndarray, notif: bytes) -> object:
+    def write(self, peer: str, src: Rows, dst: Rows, notif: bytes) -> object:
         if peer not in self._peers:
             raise PeerUnknownError(f"peer {peer} not added")
         with _mapped(f"write to {peer}"):
-            local = self._agent.get_xfer_descs(np.ascontiguousarray(src), self._mem_type)
-            remote = self._agent.get_xfer_descs(np.ascontiguousarray(dst), self._mem_type)
+            local = self._agent.get_xfer_descs(_nixl_rows(src), self._mem_type)
+            remote = self._agent.get_xfer_descs(_nixl_rows(dst), self._mem_type)
             handle = self._agent.initialize_xfer("WRITE", local, remote, peer, notif)
             try:
                 state = self._agent.transfer(handle)

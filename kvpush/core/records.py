@@ -34,7 +34,7 @@ class Armed:
     route: Route
     agent: str  # the D agent it was prepared for
     dst: CopyDst | None  # a copy's D half (a WRITE's D ids were checked: None)
-    handle: object  # the route's: the peer-copy hook's prepared copy, a WRITE's region pairs
+    handle: object  # the route's: the peer-copy hook's prepared copy; a WRITE's (pairs, notice)
 
 
 @dataclass(slots=True)  # (made on the early launch's path: kept light)

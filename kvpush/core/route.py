@@ -12,11 +12,10 @@ import numpy as np
 
 from kvpush.core import layer_route, wire
 from kvpush.core.errors import LayoutError, PeerGoneError, TransportError
-from kvpush.core.few_descs import SHORT_ROWS
 from kvpush.core.layout import validate_block_ids
 from kvpush.core.records import Armed, Flight, PendingReg, PushTransfer, source_blocks
 from kvpush.core.routing import RegionPair, build_pair_descs
-from kvpush.core.transport import WriteState
+from kvpush.core.transport import Rows, WriteState, row_bytes
 from kvpush.core.types import StagedBlocks
 
 if TYPE_CHECKING:
@@ -79,29 +78,31 @@ class WriteRoute(Route):
         self.peers = peers  # its transport, our layout, config and stats
 
     def arm(self, peer: Peer, reg: wire.PushReg, dst: list[np.ndarray]) -> Armed | None:
-        """D's ids checked and the region pairs found while P still computes, so that the
-        end of the prefill only builds descriptors and posts (``launch``)."""
+        """D's ids checked, the region pairs found and the completion notice made while P
+        still computes, so that the end of the prefill only builds descriptors and posts
+        (``launch``)."""
         if peer.route is not self:
             return None
         try:
             pairs = self.peers.pairs_to(peer)
             validate_block_ids(peer.info.layout, dst, unique_known=True)
-        except LayoutError:
+            notif = wire.encode_completion(reg.request_id, self.peers.config.tp_size)
+        except (LayoutError, wire.WireError):
             return None  # the post meets it again and fails the leg with the reason
-        return Armed(self, peer.agent, None, pairs)
+        return Armed(self, peer.agent, None, (pairs, notif))
 
     def launch(self, armed: Armed, pend: PendingReg, staged: StagedBlocks) -> Flight | None:
         # Kept short: it runs at the end of a prefill. Anything unusual takes ``post``.
         peer = self.peers.get(pend.reg.decode_host, pend.reg.decode_port)
         if peer is None or peer.agent != armed.agent or peer.route is not self:
             return None
-        assert isinstance(armed.handle, list)
+        assert isinstance(armed.handle, tuple)
+        pairs, notif = armed.handle
         try:
             if staged.after is not None and not staged.after.query():
                 return None  # the blocks' writes still run: the leg waits in ``settling``
             src_groups = source_blocks(pend.dst, staged.block_ids)
-            src, dst = self._descs(peer, armed.handle, src_groups, pend.dst, True)
-            notif = wire.encode_completion(pend.reg.request_id, self.peers.config.tp_size)
+            src, dst = self._descs(peer, pairs, src_groups, pend.dst, True)
             handle = self.peers.transport.write(peer.agent, src, dst, notif)
         except Exception:  # nothing was posted: the full path meets it again, with the reason
             return None
@@ -134,15 +135,12 @@ class WriteRoute(Route):
         src_groups: list[list[int]],
         dst_groups: list[np.ndarray],
         dst_checked: bool,
-    ) -> tuple[np.ndarray, np.ndarray]:
+    ) -> tuple[Rows, Rows]:
         p, d = self.peers.layout, peer.info.layout
         return build_pair_descs(p, d, pairs, src_groups, dst_groups, True, dst_checked)
 
-    def _flight(self, peer: Peer, handle: object, src: np.ndarray) -> Flight:
-        # (a few rows: builtins; numpy's reduction costs more than it sums)
-        lengths = src[:, 1]
-        nbytes = sum(lengths.tolist()) if len(src) <= SHORT_ROWS else int(lengths.sum())
-        return Flight(self, handle, peer.agent, len(src), nbytes)
+    def _flight(self, peer: Peer, handle: object, src: Rows) -> Flight:
+        return Flight(self, handle, peer.agent, len(src), row_bytes(src))
 
     def poll(self, f: Flight) -> WriteState:
         if isinstance(f.handle, layer_route.LayerWrites):

@@ -22,15 +22,19 @@ import numpy as np
 from kvpush.core.errors import LayoutError
 from kvpush.core.few_descs import SHORT_ROWS, few_uniform_descs
 from kvpush.core.layout import (
+    SHORT_IDS,
     KVLayout,
     Region,
     as_ids,
+    coalesce,
+    coalesce_equal,
     expand,
     extents,
     in_source_order,
     pair_extents,
     validate_block_ids,
 )
+from kvpush.core.transport import Rows
 
 
 @dataclass(frozen=True)
@@ -186,21 +190,25 @@ def build_pair_descs(
     dst_groups: Sequence[Sequence[int] | np.ndarray],
     dst_unique: bool = False,
     dst_checked: bool = False,
-) -> tuple[np.ndarray, np.ndarray]:
-    """Nx3 (address, length, device) arrays: P's blocks ``src_groups`` into D's ``dst_groups``.
+) -> tuple[Rows, Rows]:
+    """Nx3 (address, length, device) rows: P's blocks ``src_groups`` into D's ``dst_groups``
+    (a list of tuples when they are few, core/few_descs.py; else int64 arrays).
 
     ``dst_unique``: D's ids were checked for duplicates already (on PUSH_REG arrival);
     ``dst_checked``: checked against D's layout as well (an armed WRITE).
     """
-    # Ids become int64 arrays once here (no copy if they are already), not per region.
-    src_arrays = [as_ids(g) for g in src_groups]
-    dst_arrays = [as_ids(g) for g in dst_groups]
-    validate_block_ids(p, src_arrays)
+    # Long id lists become int64 arrays once here (no copy if they are already), not per
+    # region; short ones stay as they are, for builtins.
+    src_ids = [as_ids(g) if len(g) > SHORT_IDS else g for g in src_groups]
+    dst_ids = [as_ids(g) if len(g) > SHORT_IDS else g for g in dst_groups]
+    validate_block_ids(p, src_ids)
     if not dst_checked:
-        validate_block_ids(d, dst_arrays, unique_known=dst_unique)
+        validate_block_ids(d, dst_ids, unique_known=dst_unique)
     if _uniform(p, d, pairs):
         group = p.regions[pairs[0].src].group, d.regions[pairs[0].dst].group
-        return _uniform_descs(p, d, pairs, src_arrays[group[0]], dst_arrays[group[1]])
+        return _uniform_descs(p, d, pairs, src_ids[group[0]], dst_ids[group[1]])
+    src_arrays = [as_ids(g) for g in src_ids]
+    dst_arrays = [as_ids(g) for g in dst_ids]
     return _per_pair_descs(p, d, pairs, src_arrays, dst_arrays)
 
 
@@ -261,8 +269,12 @@ def _uniform(p: KVLayout, d: KVLayout, pairs: Sequence[RegionPair]) -> bool:
 
 
 def _uniform_descs(
-    p: KVLayout, d: KVLayout, pairs: Sequence[RegionPair], s_ids: np.ndarray, d_ids: np.ndarray
-) -> tuple[np.ndarray, np.ndarray]:
+    p: KVLayout,
+    d: KVLayout,
+    pairs: Sequence[RegionPair],
+    s_ids: Sequence[int] | np.ndarray,
+    d_ids: Sequence[int] | np.ndarray,
+) -> tuple[Rows, Rows]:
     """``build_pair_descs`` for ``_uniform`` pairs, rows in pair order. Two pieces of a
     region are contiguous on both sides exactly when their physical ids are consecutive on
     both sides, the same in every region: the runs are found once on the ids, then every
@@ -273,7 +285,7 @@ def _uniform_descs(
         raise LayoutError(f"region {name}: {len(s_ids)} source blocks, {len(d_ids)} destination")
     if len(pairs) * len(s_ids) * p.physical_per_logical <= SHORT_ROWS:
         return few_uniform_descs(p, d, pairs, s_ids, d_ids)
-    s_ids, d_ids = in_source_order(s_ids, d_ids)
+    s_ids, d_ids = in_source_order(as_ids(s_ids), as_ids(d_ids))
     ps, pd = expand(s_ids, p.physical_per_logical), expand(d_ids, d.physical_per_logical)
     if not ps.size:
         return _rows([])
@@ -365,34 +377,3 @@ def _segment_pieces(
     sa = (lr.base_addr + ps[:, None] * lr.block_len + so[None, :]).ravel()
     da = (rr.base_addr + pd[:, None] * rr.block_len + do[None, :]).ravel()
     return coalesce(sa, da, np.tile(ln, len(ps)))
-
-
-def coalesce(
-    sa: np.ndarray, da: np.ndarray, ln: np.ndarray
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Merge consecutive pieces that continue contiguously on both sides."""
-    if sa.size <= 1:
-        return sa, da, ln
-    cont = (sa[1:] == sa[:-1] + ln[:-1]) & (da[1:] == da[:-1] + ln[:-1])
-    starts = np.concatenate(([0], np.flatnonzero(~cont) + 1))
-    return sa[starts], da[starts], np.add.reduceat(ln, starts)
-
-
-def coalesce_equal(
-    sa: np.ndarray, da: np.ndarray, length: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``coalesce`` for pieces all ``length`` bytes long, the common case, in fewer passes."""
-    n = sa.size
-    if n <= 1:
-        return sa, da, np.full(n, length, dtype=np.int64)
-    # A piece starts a run unless both sides continue the previous one.
-    breaks = np.flatnonzero((np.diff(sa) != length) | (np.diff(da) != length))
-    if breaks.size == n - 1:  # nothing merges (scattered): no gathers needed
-        return sa, da, np.full(n, length, dtype=np.int64)
-    starts = np.empty(breaks.size + 1, dtype=np.int64)
-    starts[0] = 0
-    starts[1:] = breaks + 1
-    ends = np.empty_like(starts)
-    ends[:-1] = starts[1:]
-    ends[-1] = n
-    return sa[starts], da[starts], (ends - starts) * length

@@ -2,7 +2,8 @@
 
 ``nixl_transport.NixlTransport`` is the real one; ``memory_transport`` is an
 in-process stand-in for deterministic unit tests of the state machines.
-Descriptors are Nx3 int64 arrays of (address, length, device id).
+Descriptors are Nx3 rows of (address, length, device id): an int64 array, or a list of
+tuples for a short push (``Rows``; building an array costs more than a few rows do).
 """
 
 from __future__ import annotations
@@ -13,6 +14,20 @@ from abc import ABC, abstractmethod
 import numpy as np
 
 from kvpush.core.layout import KVLayout
+
+Rows = np.ndarray | list[tuple[int, int, int]]
+
+
+def rows_array(rows: Rows) -> np.ndarray:
+    """Rows as an Nx3 int64 array (no copy if they are one)."""
+    return np.asarray(rows, dtype=np.int64).reshape(-1, 3)
+
+
+def row_bytes(rows: Rows) -> int:
+    """The bytes that descriptor rows move."""
+    if isinstance(rows, list):
+        return sum(r[1] for r in rows)
+    return int(rows[:, 1].sum()) if len(rows) else 0
 
 
 class WriteState(enum.Enum):
@@ -47,7 +62,7 @@ class Transport(ABC):
         """Forget a peer (it died or restarted); unknown names are ignored."""
 
     @abstractmethod
-    def write(self, peer: str, src: np.ndarray, dst: np.ndarray, notif: bytes) -> object:
+    def write(self, peer: str, src: Rows, dst: Rows, notif: bytes) -> object:
         """Post one WRITE of src descriptors into the peer's dst; ``notif`` arrives after it."""
 
     @abstractmethod

@@ -39,12 +39,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from kvpush.core import wire
 from kvpush.core.errors import HandshakeError, PeerGoneError, TransportError
 from kvpush.core.layout import KVLayout
-from kvpush.core.transport import Transport, WriteState
+from kvpush.core.transport import Rows, Transport, WriteState
 
 log = logging.getLogger(__name__)
 
@@ -208,7 +206,7 @@ class FaultTransport(Transport):
 
     # ---- WRITEs --------------------------------------------------------------------------
 
-    def write(self, peer: str, src: np.ndarray, dst: np.ndarray, notif: bytes) -> object:
+    def write(self, peer: str, src: Rows, dst: Rows, notif: bytes) -> object:
         self.calls["write"] += 1
         return self._post(notif, lambda: self.inner.write(peer, src, dst, notif))
 

@@ -25,13 +25,15 @@ from kvpush.core.routing import (
     build_pair_descs,
     pair_regions,
 )
+from kvpush.core.transport import rows_array
 
 
 def write_descs(
     local: KVLayout, remote: KVLayout, src: list[list[int]], dst: list[list[int]]
 ) -> tuple[Any, Any]:
-    """The WRITE descriptors of local blocks ``src`` into remote blocks ``dst``."""
-    return build_pair_descs(local, remote, pair_regions(local, remote), src, dst)
+    """The WRITE descriptors of local blocks ``src`` into remote blocks ``dst`` (arrays)."""
+    s, d = build_pair_descs(local, remote, pair_regions(local, remote), src, dst)
+    return rows_array(s), rows_array(d)
 
 
 def layout(
@@ -172,7 +174,7 @@ def test_one_pass_descriptors_equal_the_per_region_ones(data: st.DataObject) -> 
     if runs:
         src, dst = sorted(src), sorted(dst)
     s_ids, d_ids = as_ids(src), as_ids(dst)
-    one = _uniform_descs(p, d, pairs, s_ids, d_ids)
+    one = tuple(map(rows_array, _uniform_descs(p, d, pairs, s_ids, d_ids)))
     per = _per_pair_descs(p, d, pairs, [s_ids], [d_ids])
     assert np.array_equal(one[0], per[0]) and np.array_equal(one[1], per[1])
     assert one[0].shape[1] == 3 and one[0].dtype == np.int64
