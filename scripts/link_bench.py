@@ -6,8 +6,9 @@ a raw NIXL agent and a kvpush worker on the same registered buffer of 64 KiB blo
 (kvpush_bench/transport.py's sides). In each round, per case, one raw WRITE (a
 descriptor per block, with a notification, P busy-polling it) and one kvpush push
 (progressed by P's and D's engine steps, paced as vLLM's with kvpush's connector:
-kvpush_bench/transport.py's EngineLoop; D registered first; timed from P's engine handing
-over the finished blocks) move the same scattered blocks,
+kvpush_bench/transport.py's EngineLoop; D registered first, and P's hand-over reads the
+registration, as a vLLM P does after a short prefill; timed from P's engine handing over
+the finished blocks) move the same scattered blocks,
 in rotating order. Bytes per second are over P's time to WRITE DONE; KV-ready is when
 D learned of it (the raw notification, or kvpush's finished_recving), both from the
 moment P's prefill handed the blocks over. Cases: the tiny model's KV for a 60- and a
@@ -43,6 +44,9 @@ from tests.e2e.hosts import Host, HostPair  # noqa: E402
 MIB = 1 << 20
 KV_MODES = ("kvpush",)  # names as in kvpush_bench/transport.py
 MODES = ("raw", *KV_MODES)
+# Before P's hand-over: D's registration (a few hundred bytes) reaches P's socket in
+# microseconds at full veth speed and well within this at 100 Mbit/s.
+REG_FLIGHT_S = 0.002
 
 
 def in_host(ctx: Any, host: Host, target: Any, args: tuple[Any, ...]) -> Any:
@@ -95,8 +99,11 @@ def one_round(
         else:
             rid = f"{mode}{seq}"
             d.call("kv_register", rid, dst, p.ports[mode], p_host)
-            if not p.call("kv_wait_registered", mode, 1):
-                raise RuntimeError("P never saw D's registration")
+            # D's registration crosses the link while P computes; P's hand-over reads it
+            # (as in vLLM, where a worker with nothing outstanding reads notifications
+            # only when a step hands it work, or every idle_poll_s). One that came late
+            # would count in kvpush's time, not hide any of it.
+            time.sleep(REG_FLIGHT_S)
             d.send("kv_wait", rid, 300.0)
             w = p.call("kv_push", mode, rid, src, 300.0, timeout=320)
             ready = d.result(320)
