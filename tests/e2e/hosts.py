@@ -47,7 +47,7 @@ class Net(Protocol):
     def del_link(self, name: str) -> None: ...  # a root-namespace device; no error if absent
     def addr(self, ns: str | None, dev: str, cidr: str) -> None: ...
     def set_up(self, ns: str | None, dev: str, up: bool) -> None: ...
-    def carrier(self, ns: str, dev: str) -> bool: ...
+    def running(self, ns: str, dev: str) -> bool: ...
     def sysctl(self, ns: str, key: str, value: int) -> None: ...
     def tbf(self, ns: str, dev: str, rate: str, burst: str, latency: str) -> None: ...
     def no_qdisc(self, ns: str, dev: str) -> None: ...
@@ -90,8 +90,8 @@ class IpNet:
     def set_up(self, ns: str | None, dev: str, up: bool) -> None:
         ip(*(["-n", ns] if ns else []), "link", "set", dev, "up" if up else "down")
 
-    def carrier(self, ns: str, dev: str) -> bool:
-        return "LOWER_UP" in ip("-n", ns, "link", "show", dev).stdout
+    def running(self, ns: str, dev: str) -> bool:
+        return " state UP " in ip("-n", ns, "link", "show", dev).stdout
 
     def sysctl(self, ns: str, key: str, value: int) -> None:
         subprocess.run(["ip", "netns", "exec", ns, "sysctl", "-qw", f"{key}={value}"], check=True)
@@ -214,11 +214,13 @@ class HostPair:
     def link_up(self) -> None:
         for h in (self.p, self.d):
             self.net.set_up(h.ns, LINK, True)
-        # Wait for the carrier, so the caller's next packet is not dropped.
+        # Wait until the kernel reports both ends operationally up (it does so a moment
+        # after the carrier): UCX picks only running devices, and the caller's next packet
+        # would be dropped. Once, a decoder started right after the carrier found no link.
         deadline = time.monotonic() + 10
-        while not self.net.carrier(self.p.ns, LINK):
+        while not all(self.net.running(h.ns, LINK) for h in (self.p, self.d)):
             if time.monotonic() > deadline:
-                raise RuntimeError(f"{LINK} has no carrier 10 s after link up")
+                raise RuntimeError(f"{LINK} is not running 10 s after link up")
             time.sleep(0.05)
 
     def limit(self, rate: str, burst: str = "64kb", latency: str = "200ms") -> None:

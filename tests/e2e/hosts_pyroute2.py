@@ -20,7 +20,7 @@ from pyroute2.netlink.rtnl import TC_H_ROOT
 from pyroute2.netlink.rtnl.tcmsg.common import get_size
 
 CLONE_NEWNET = 0x40000000
-IFF_LOWER_UP = 0x10000
+IFF_RUNNING = 0x40  # operationally up (what UCX checks)
 # argv: NETNS_FILE COMMAND...; enters the network namespace, then becomes COMMAND.
 LAUNCHER = (
     "import ctypes, os, sys\n"
@@ -95,9 +95,9 @@ class Pr2Net:
         with _ipr(ns) as ipr:
             ipr.link("set", index=_index(ipr, dev), state="up" if up else "down")
 
-    def carrier(self, ns: str, dev: str) -> bool:
+    def running(self, ns: str, dev: str) -> bool:
         with _ipr(ns) as ipr:
-            return bool(ipr.get_links(_index(ipr, dev))[0]["flags"] & IFF_LOWER_UP)
+            return bool(ipr.get_links(_index(ipr, dev))[0]["flags"] & IFF_RUNNING)
 
     def sysctl(self, ns: str, key: str, value: int) -> None:
         # /proc/sys/net is the opening process's namespace's: write it from inside.
