@@ -137,6 +137,10 @@ class Consumer:
         return len(seen)
 
     def _in_use(self, agent: str) -> bool:
+        """A receive waits on the agent, or a hold names it: a hold ends early only by
+        probing its writers (``_end_holds``), which a forgotten peer never is."""
+        if any(agent in writers for _, writers in self.holds.values()):
+            return True
         return any(
             agent in t.agents for t in self.recvs.values() if t.state is not State.REGISTERED
         )

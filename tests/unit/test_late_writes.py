@@ -142,6 +142,27 @@ def test_a_hold_ends_early_once_every_writers_connection_failed() -> None:
     assert w.events[-1] == ("released", "d1") and not c.holds
 
 
+def test_a_silent_writer_of_a_hold_is_not_forgotten_by_a_new_registration() -> None:
+    """A new registration re-handshakes with silent P ranks (they may have restarted), by
+    forgetting them first; a forgotten peer is never probed, so a hold naming it would
+    last its whole time (seen: a killed prefiller's blocks on D past 45 s in CI). A
+    peer a hold names counts as in use: the registration goes to it as it is, and the
+    probe (or that send) finds its connection failed."""
+    from kvpush.core.wire import PushReg
+
+    c, w, t = stepped_d(2, hold_s=60.0)
+    c.on_item(("cancel", "d1", True))
+    assert w.events == [("held", "d1")]
+    w.quiet = True
+    c.on_item(("reg", RecvRegistration("d2", [[3]], "P", "h", 0, remote_tp_size=2), None))
+    assert w.forgotten == []
+    regs = sorted(a for a, m in w.sent if isinstance(m, PushReg) and m.request_id == "d2")
+    assert regs == ["P0", "P1"]
+    w.failed.update({"P0": None, "P1": None})  # the probe (or that send) failed
+    c.on_timer(time.monotonic())
+    assert ("released", "d1") in w.events
+
+
 def test_peer_table_remembers_failed_connections_of_known_peers() -> None:
     from tests.unit.test_push_states import Pair, recv_ok
 

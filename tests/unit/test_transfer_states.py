@@ -143,12 +143,17 @@ class StubWorker:
         self.sent: list[tuple[str, Any]] = []
         self.events: list[tuple[str, str]] = []
         self.blocks: dict[str, Any] = {}  # the blocks an event came with (a hold's)
+        self.quiet = False  # every P rank silent (a registration then rechecks them)
+        self.forgotten: list[str] = []
 
     def ensure(self, host: str, port: int, then: Any) -> Any:
         return SimpleNamespace(agent=f"P{port}", info=SimpleNamespace(peer_copy=None))
 
     def silent(self, peer: Any) -> bool:
-        return False
+        return self.quiet
+
+    def forget(self, agent: str, failed: bool = False) -> None:
+        self.forgotten.append(agent)
 
     def check_from(self, peer: Any) -> None:
         pass
