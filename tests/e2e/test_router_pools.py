@@ -97,18 +97,36 @@ def counts(c: PoolCluster) -> dict[str, float]:
 def test_both_prefillers_and_both_decoders_serve(env: dict[str, Any]) -> None:
     c: PoolCluster = env["c"]
     by_p = prompts_for(c, 3)
+    # Every instance usable in the router's view first: under load a health probe can
+    # time out, and the router then rightly sends the prompts elsewhere.
+    wait_until(
+        lambda: all(i["available"] for i in admin(c, "/admin/instances")["instances"]),
+        30,
+        lambda: time.sleep(0.2),
+        "every instance available",
+    )
     before = counts(c)
     replies = send_all(c, env["model"], [q for qs in by_p.values() for q in qs])
     assert all(r.ok for r in replies), [r.error for r in replies if not r.ok]
+
+    def grown(servers: list[Any]) -> float:
+        now = counts(c)
+        return sum(now[s.name] - before[s.name] for s in servers)
+
+    # Each side's counters reach vLLM's metrics at its own engine's next step: a client's
+    # reply can come before a busy prefiller has reported its WRITE done.
     wait_until(
-        lambda: sum(counts(c)[d.name] - before[d.name] for d in c.ds) >= len(replies),
+        lambda: grown(c.ds) >= len(replies) and grown(c.ps) >= len(replies),
         20,
         lambda: time.sleep(0.2),
-        "every request's push received",
+        "every request's push sent and received",
     )
     after = counts(c)
+    listing = admin(c, "/admin/instances")["instances"]
     for s in c.servers():
-        assert after[s.name] > before[s.name], f"{s.name} took no part: {before} -> {after}"
+        assert after[s.name] > before[s.name], (
+            f"{s.name} took no part: {before} -> {after}; the router's view: {listing}"
+        )
 
 
 def test_killed_prefiller_and_drained_decoder_mid_run(env: dict[str, Any]) -> None:
