@@ -109,14 +109,16 @@ def test_both_prefillers_and_both_decoders_serve(env: dict[str, Any]) -> None:
     replies = send_all(c, env["model"], [q for qs in by_p.values() for q in qs])
     assert all(r.ok for r in replies), [r.error for r in replies if not r.ok]
 
-    def grown(servers: list[Any]) -> float:
+    def all_counted() -> bool:
         now = counts(c)
-        return sum(now[s.name] - before[s.name] for s in servers)
+        return all(
+            sum(now[s.name] - before[s.name] for s in side) >= len(replies) for side in (c.ds, c.ps)
+        )
 
     # Each side's counters reach vLLM's metrics at its own engine's next step: a client's
     # reply can come before a busy prefiller has reported its WRITE done.
     wait_until(
-        lambda: grown(c.ds) >= len(replies) and grown(c.ps) >= len(replies),
+        all_counted,
         20,
         lambda: time.sleep(0.2),
         "every request's push sent and received",
