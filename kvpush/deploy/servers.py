@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -37,38 +38,47 @@ def default_device() -> str:
     return "cuda" if shutil.which("nvidia-smi") else "cpu"
 
 
+# Ports handed out by this process. A port is free until its server binds it, so two calls
+# made before then could return the same one (seen: a decoder's side channel took the port
+# its HTTP server was handed next, and the server never came up); none is handed out twice.
+_handed: set[int] = set()
+_handed_lock = threading.Lock()
+
+
 def free_port() -> int:
     """A free port below the kernel's ephemeral range (32768+), so that a port vLLM or
-    ZMQ picks for itself later cannot collide with the one we hand out now."""
-    rng = random.Random()
-    for _ in range(200):
-        port = rng.randint(20000, 32000)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port in 20000-32000")
+    ZMQ picks for itself later cannot collide with the one we hand out now; never one
+    this process handed out before."""
+    return free_ports(1)
 
 
 def free_ports(n: int) -> int:
     """The first of ``n`` consecutive free ports (TP/PP ranks listen on base + rank)."""
+    rng = random.Random()
     for _ in range(200):
-        base = free_port()
-        socks = []
-        try:
-            for k in range(n):
-                sock = socket.socket()
-                socks.append(sock)
-                sock.bind(("127.0.0.1", base + k))
+        base = rng.randint(20000, 32000 - n)
+        with _handed_lock:
+            wanted = set(range(base, base + n))
+            if wanted & _handed or not _bindable(wanted):
+                continue
+            _handed.update(wanted)
             return base
-        except OSError:
-            continue
-        finally:
-            for sock in socks:
-                sock.close()
-    raise RuntimeError(f"no {n} consecutive free ports")
+    raise RuntimeError(f"no {n} free consecutive ports in 20000-32000")
+
+
+def _bindable(ports: set[int]) -> bool:
+    socks = []
+    try:
+        for port in ports:
+            sock = socket.socket()
+            socks.append(sock)
+            sock.bind(("127.0.0.1", port))
+        return True
+    except OSError:
+        return False
+    finally:
+        for sock in socks:
+            sock.close()
 
 
 def kvpush_config(role: str, engine_id: str, side_port: int, **extra: Any) -> dict[str, Any]:

@@ -9,12 +9,12 @@ requests are pushed and verified byte for byte. Cases live in ``fault_cases``.
 
 from __future__ import annotations
 
-import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvpush.deploy.servers import free_port
 from kvpush_bench.sim.engine import SimSpec
 from kvpush_bench.sim.faults import FaultPlan, Rule
 from kvpush_bench.sim.process import EngineProcess
@@ -33,12 +33,6 @@ NOTE_STATS = (
     "write_failed",
     "notify_failed",
 )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass

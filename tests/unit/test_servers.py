@@ -21,3 +21,16 @@ def test_sigterm_inside_the_block_is_a_keyboard_interrupt_and_the_old_handler_re
         assert seen == [signal.SIGTERM]
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def test_no_port_is_handed_out_twice() -> None:
+    """A port stays free until its server binds it, so calls made before then must not
+    repeat one (a decoder's side channel once took its own HTTP server's port). 400 random
+    picks from 12,000 ports would repeat one almost surely."""
+    from kvpush.deploy.servers import free_port, free_ports
+
+    ports = [free_port() for _ in range(400)]
+    base = free_ports(4)
+    assert len(set(ports)) == len(ports)
+    assert not set(range(base, base + 4)) & set(ports)
+    assert all(20000 <= p < 32000 for p in [*ports, base + 3])
