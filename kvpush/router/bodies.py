@@ -31,6 +31,13 @@ _NOT_FOR_P = (
     "logprob_token_ids",
     "min_tokens",
     "stream_options",
+    # P's token is never the client's unless greedy (kvpush.router.head), so a seed buys
+    # P nothing, and it would give the request a generator of its own: vLLM rewinds that
+    # generator after every step that samples a token it throws away (a prompt computed
+    # over several steps), which the CPU build cannot do (``CPU Generator does not use
+    # offset``; engine dead). P's all-prefill steps hit that under any burst. A seed
+    # vLLM would refuse sends the request to D alone (``_doubtful``).
+    "seed",
 )
 # Structured output shapes only a completion's output; a chat template may render
 # response_format into the prompt, so chat keeps it.
@@ -123,6 +130,9 @@ def _doubtful(body: dict[str, Any], chat: bool, max_model_len: int | None) -> bo
     ):
         return True
     if body.get("logprob_token_ids") is not None and not body.get("logprobs"):
+        return True
+    seed = body.get("seed")
+    if seed is not None and not (is_int(seed) and -(2**63) <= seed < 2**63):
         return True
     fewest = body.get("min_tokens")
     most = body.get("max_completion_tokens") if chat else None

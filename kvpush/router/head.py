@@ -3,7 +3,7 @@
 P computes the prompt and its first token, as one plain server does. D computes that token
 again from the pushed KV before it sends anything: its scheduler's notice, a step and the
 async-scheduling lag come first (10-12 ms on one H200, docs/benchmarks.md). When D's first
-token cannot differ from P's (greedy or seeded sampling), the client gets P's events for
+token cannot differ from P's (greedy sampling), the client gets P's events for
 that token as soon as P answers, and then D's stream without D's copy of them.
 
 Only requests whose first events depend on that token alone qualify (`eligible`): no
@@ -66,9 +66,11 @@ def eligible(body: dict[str, Any], chat: bool) -> bool:
         most = body.get(name)
         if most is not None and not (bodies.is_int(most) and most >= 2):
             return False
+    # Greedy only: P's leg carries no seed (kvpush.router.bodies), so a sampled token of
+    # P's would not be the one D (and a plain server) samples with the client's seed.
     temperature = body.get("temperature")
-    greedy = isinstance(temperature, int | float) and not isinstance(temperature, bool)
-    return (greedy and temperature == 0) or bodies.is_int(body.get("seed"))
+    number = isinstance(temperature, int | float) and not isinstance(temperature, bool)
+    return number and temperature == 0
 
 
 def _unset(value: Any) -> bool:

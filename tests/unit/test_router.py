@@ -395,10 +395,10 @@ def test_leg_bodies_and_side_channel_parsing() -> None:
         "temperature": 0.5,
     }
     p = prefill_body({**body, **output_only}, "t", chat=False)
-    # Cheap for one token, and validated by P as by D: kept.
+    # Cheap for one token, and validated by P as by D: kept. Not the seed: P's token is
+    # not the client's, and a seeded request on P's CPU engine can kill it (bodies.py).
     assert {k for k in output_only if k in p} == {
         "n",
-        "seed",
         "temperature",
         "logit_bias",
         "stop",
@@ -603,6 +603,9 @@ def test_chat_echo_asks_for_prompt_logprobs() -> None:
         {"prompt": "x", "max_tokens": 0},
         {"prompt": "x", "max_tokens": 4096},  # above the decoder's max_model_len (2048 here)
         {"messages": [], "max_completion_tokens": -1},
+        {"prompt": "x", "seed": "5"},  # P gets no seed
+        {"prompt": "x", "seed": 2**63},
+        {"messages": [], "seed": 1.5},
     ],
 )
 def test_doubtful_fields_p_does_not_get_send_the_request_to_the_decoder_alone(
@@ -626,6 +629,7 @@ def test_valid_fields_p_does_not_get_keep_the_request_split() -> None:
         {"prompt": "x", "max_tokens": 2048, "echo": True},
         {"prompt": "x", "max_tokens": 0, "echo": True},
         {"messages": [], "max_tokens": None, "max_completion_tokens": 9},
+        {"prompt": "x", "seed": -(2**63), "temperature": 0.8},
     ]
     for body in ok:
         assert decoder_alone(body, "messages" in body, max_model_len=2048) is None, body

@@ -20,8 +20,8 @@ CHAT = {
     "messages": [{"role": "user", "content": "hi"}],
     "max_completion_tokens": 8,
     "stream": True,
-    "seed": 3,
-    "temperature": 0.8,
+    "seed": 3,  # greedy with a seed: still P's token
+    "temperature": 0,
 }
 
 
@@ -65,7 +65,9 @@ DONE = b"data: [DONE]\n\n"
         ({}, True, True),
         ({"temperature": 0.7}, False, False),  # sampled without a seed: D's would differ
         ({"temperature": None}, False, False),  # the server's default: unknown here
-        ({"temperature": 0.7, "seed": 5}, False, True),
+        # P's leg has no seed (kvpush.router.bodies): its sampled token is not D's
+        ({"temperature": 0.7, "seed": 5}, False, False),
+        ({"temperature": 0.7, "seed": 5}, True, False),
         ({"stream": False}, False, False),
         ({"n": 2}, False, False),
         ({"stop": ["x"]}, False, False),
