@@ -242,7 +242,7 @@ def section(res: dict[str, Any], json_path: str = "", plot_path: str = "") -> st
         HEADING,
         "",
         "This part is rendered by `scripts/link_bench.py --doc` from one run; the subsections",
-        "after it are the benchmark's history and say what changed between runs.",
+        "after it are written by hand: other runs of the same script.",
         "",
         f"Run: {res.get('started', '?')}, {res.get('cpus', '?')} CPU cores (load average"
         f" {res.get('loadavg', '?')} at the start), {res.get('seconds')} s;"
