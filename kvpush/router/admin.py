@@ -8,19 +8,32 @@
   requests; those in flight finish; its ``in_flight`` shows when it is idle) or undo it;
 - ``POST /admin/reload``: re-read the config file now.
 
-With ``--admin-token`` set they require ``Authorization: Bearer <token>``; without one they
-answer only clients on this host (loopback): whoever can change the pools can send every
-prompt to a server of their own. Bad input gets HTTP 400 with the reason and changes nothing.
+Whoever can change the pools can send every prompt to a server of their own, so:
+
+- with ``--admin-token`` set they require ``Authorization: Bearer <token>`` (compared in
+  constant time), from any client, loopback included (401 without it);
+- without a token they are off (403), unless ``--admin-loopback-without-token`` opens
+  them to clients on this host (loopback) that name it by an IP address or
+  ``localhost`` (a page of another site that rebinds its name to 127.0.0.1 names it
+  by that site's name);
+- a request carrying an ``Origin`` (a browser's) that is not the router's own is refused
+  (403): a page of another site may not use the admin endpoints, token or not;
+- a request with a body (POST, DELETE) must send it as ``Content-Type:
+  application/json`` (415): a page can send a form or text/plain anywhere, JSON only
+  after a CORS preflight, which the router never approves.
+
+Bad input gets HTTP 400 with the reason and changes nothing.
 """
 
 from __future__ import annotations
 
-import json
+import hmac
+import ipaddress
 from typing import Any
 
 from aiohttp import web
 
-from kvpush.router import upkeep
+from kvpush.router import boundary, upkeep
 from kvpush.router.config import CONFIG, POOL
 from kvpush.router.pool import ROLES, Role, parse_spec
 
@@ -41,26 +54,64 @@ class _Bad(Exception):
     pass
 
 
-_LOOPBACK = ("127.", "::1", "::ffff:127.")
-
-
 def refusal(request: web.Request) -> web.Response | None:
-    """Why this admin request may not go on (401 / 403), or None when it may."""
-    token = request.app[CONFIG].admin_token
-    if token is not None:
-        if request.headers.get("Authorization") == f"Bearer {token}":
-            return None
-        return _error(401, "admin endpoints need Authorization: Bearer <admin token>")
-    if (request.remote or "").startswith(_LOOPBACK):
-        return None
-    return _error(403, "without --admin-token the admin endpoints answer only loopback clients")
+    """Why this admin request may not go on (401 / 403 / 415), or None when it may."""
+    cfg = request.app[CONFIG]
+    origin = request.headers.get("Origin")
+    if origin is not None and origin.lower() != f"{request.scheme}://{request.host}".lower():
+        return _error(403, "cross-origin requests may not use the admin endpoints")
+    if cfg.admin_token is not None:
+        if not _token_ok(request.headers.get("Authorization"), cfg.admin_token):
+            return _error(401, "admin endpoints need Authorization: Bearer <admin token>")
+    elif not cfg.admin_loopback_open:
+        return _error(403, "the admin endpoints are off: start the router with --admin-token")
+    elif not (_loopback(request.remote) and _local_name(request.host)):
+        why = "without --admin-token the admin endpoints answer only loopback clients"
+        return _error(403, why)
+    if request.method not in ("GET", "HEAD"):
+        ctype = request.headers.get("Content-Type", "")
+        if ctype.split(";", 1)[0].strip().lower() != "application/json":
+            return _error(415, "admin requests send their body as Content-Type: application/json")
+    return None
+
+
+def _token_ok(header: str | None, token: str) -> bool:
+    # Bytes: compare_digest takes str only when ASCII, and a header may be anything.
+    got = (header or "").encode("utf-8", "surrogateescape")
+    return hmac.compare_digest(got, f"Bearer {token}".encode())
+
+
+def _loopback(remote: str | None) -> bool:
+    try:
+        addr = ipaddress.ip_address((remote or "").split("%", 1)[0])
+    except ValueError:
+        return False
+    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
+        addr = addr.ipv4_mapped
+    return addr.is_loopback
+
+
+def _local_name(host: str) -> bool:
+    """Whether a Host header names this host as loopback clients do: an IP address or
+    localhost (with or without a port)."""
+    name = host.lower()
+    if name.startswith("["):  # [v6]:port
+        name = name[1 : name.find("]")]
+    elif name.count(":") == 1:  # name:port
+        name = name.split(":", 1)[0]
+    if name == "localhost":
+        return True
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
 
 
 async def _body(request: web.Request) -> dict[str, Any]:
-    try:
-        body = json.loads(await request.read())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise _Bad(f"body is not JSON: {exc}") from None
+    body = boundary.parse(request, await boundary.read_body(request))
+    if body is boundary.NOT_JSON:
+        raise _Bad("body is not JSON")
     if not isinstance(body, dict):
         raise _Bad("expected a JSON object")
     return body
@@ -83,6 +134,8 @@ async def _guarded(request: web.Request, action: Any) -> web.Response:
         return refused
     try:
         return await action(request)  # type: ignore[no-any-return]
+    except boundary.Refused as exc:
+        return exc.response
     except _Bad as exc:
         return _error(400, str(exc))
     except ValueError as exc:

@@ -24,13 +24,17 @@ failed instance (at most `RouterConfig.retries` times); after the first byte the
 is reported in-stream.
 
 A request P cannot help with (``bodies.decoder_alone``: prompt logprobs, beam search,
-prompt embeddings, a body that is not a JSON object) goes to the decoder alone, as sent.
+prompt embeddings, a body that is not a JSON object or not sent as JSON) goes to the
+decoder alone, with the client's other fields as sent.
+
+The client's body is checked at the boundary first (`boundary.py`: concurrency, header
+encoding, size, read deadline, nesting), and its own ``kv_transfer_params`` are dropped
+(`bodies.untrusted`) before any path to an upstream starts: only the router sets them.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 import uuid
@@ -44,6 +48,7 @@ from kvpush.core import trace
 from kvpush.router import (
     admin,
     bodies,
+    boundary,
     head,
     info,
     jsonbody,
@@ -71,15 +76,13 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-# Long prompts are legitimate; aiohttp's default 1 MiB request limit is not enough.
-_MAX_REQUEST_BYTES = 64 * 1024 * 1024
-
 
 def make_app(config: RouterConfig) -> web.Application:
     """The router application; the upstream session lives as long as the app runs."""
     if not config.specs() and not config.config_path:
         raise ValueError("the router needs at least one prefill and one decode instance")
-    app = web.Application(client_max_size=_MAX_REQUEST_BYTES)
+    # Long prompts are legitimate; aiohttp's default 1 MiB request limit is not enough.
+    app = web.Application(client_max_size=config.max_body_bytes)
     app[CONFIG] = config
     app[METRICS] = RouterMetrics()
     app[BACKGROUND] = set()
@@ -90,6 +93,7 @@ def make_app(config: RouterConfig) -> web.Application:
     app[METRICS].watch(lambda: [i.describe() for i in pool.all()])
     app.cleanup_ctx.append(_session_ctx)
     app.cleanup_ctx.append(upkeep.upkeep_ctx)
+    boundary.install(app)
     admin.add_routes(app)
     app.router.add_post("/v1/completions", _completions)
     app.router.add_post("/v1/chat/completions", _chat_completions)
@@ -127,11 +131,12 @@ async def _chat_completions(request: web.Request) -> web.StreamResponse:
 
 
 async def _proxy(request: web.Request, path: str, chat: bool) -> web.StreamResponse:
-    raw = await request.read()
-    try:
-        body = jsonbody.parse(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        body = None
+    # Read and checked by the boundary (a refusal there is the router's own answer), and
+    # the client's own kv_transfer_params dropped: every leg below starts from `body`.
+    raw = await boundary.read_body(request)
+    body = boundary.parse(request, raw)
+    if isinstance(body, dict):
+        body = bodies.untrusted(body)
     app = request.app
     cfg, metrics, pool = app[CONFIG], app[METRICS], app[POOL]
     tid = uuid.uuid4().hex
@@ -147,17 +152,27 @@ async def _proxy(request: web.Request, path: str, chat: bool) -> web.StreamRespo
     metrics.request_started(endpoint, stream)
     start = time.monotonic()
     try:
-        alone: str | None = "not_json"
-        if isinstance(body, dict):
-            alone = bodies.decoder_alone(body, chat, await info.known_max_model_len(app))
+        alone: str | None = "not_an_object"
+        ctype = request.headers.get("Content-Type")
+        if body is boundary.NOT_JSON:
+            alone = "not_json"
+        elif ctype is not None and not _json_type(ctype):
+            alone = "content_type"  # vLLM refuses it: D answers as a plain server does
+        elif isinstance(body, dict):
+            limit = await info.known_max_model_len(app, headers.get("Authorization"))
+            alone = bodies.decoder_alone(body, chat, limit)
         if alone is not None:
             metrics.decoder_alone(alone)
             log.debug("transfer %s: to the decoder alone (%s)", tid, alone)
-            headers["Content-Type"] = request.headers.get("Content-Type", "application/json")
+            headers["Content-Type"] = ctype or "application/json"
             d = pool.choose("decode")
             if d is None:
                 return replies.none_available(app, "decode", tid)
-            return await replies.serve_alone(request, path, raw, headers, tid, d)
+            # An object is written from what was read, less the client's
+            # kv_transfer_params; only what has no fields (not JSON, not an object) goes
+            # as the client sent it.
+            data = jsonbody.dump(body) if isinstance(body, dict) else raw
+            return await replies.serve_alone(request, path, data, headers, tid, d)
         assert isinstance(body, dict)
         key = affinity_key(body, chat, cfg.policy.affinity_chars)
         failed: dict[Role, set[str]] = {"prefill": set(), "decode": set()}
@@ -216,6 +231,14 @@ async def _attempt(
         args = (request, path, dbody, dict(headers), prefill, tid, p, d)
         return await serve_stream(*args, retry_ok, chat if early else None)
     return await _serve_unary(request, path, dbody, dict(headers), prefill, tid, d)
+
+
+def _json_type(ctype: str) -> bool:
+    """A Content-Type vLLM reads as JSON (FastAPI: application/json or */*+json)."""
+    mime = ctype.split(";", 1)[0].strip().lower()
+    return mime.startswith("application/") and (
+        mime == "application/json" or mime.endswith("+json")
+    )
 
 
 async def _checked(call: Awaitable[legs.LegResult]) -> legs.LegResult:

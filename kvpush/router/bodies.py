@@ -44,6 +44,24 @@ _NOT_FOR_P = (
 _NOT_FOR_P_COMPLETIONS = ("response_format", "structured_outputs")
 # vLLM's default --max-logprobs: more is refused unless the server allows it.
 _MAX_LOGPROBS = 20
+# The field the connectors act on. vLLM also reads it from ``vllm_xargs`` (its extra
+# sampling args) when the request has no top-level one: a client's there is dropped too.
+KV_PARAMS = "kv_transfer_params"
+_XARGS = "vllm_xargs"
+
+
+def untrusted(body: dict[str, Any]) -> dict[str, Any]:
+    """The client's body without any ``kv_transfer_params`` of its own: only the router
+    sets them (each leg's, below). A client's would be the connector's orders: connect
+    to a host it names, expect KV it never gets. Every path to an upstream (split legs,
+    D alone, a retry, D's re-computation, P's first-token leg) starts from this body."""
+    xargs = body.get(_XARGS)
+    if KV_PARAMS not in body and not (isinstance(xargs, dict) and KV_PARAMS in xargs):
+        return body
+    out = {k: v for k, v in body.items() if k != KV_PARAMS}
+    if isinstance(xargs, dict) and KV_PARAMS in xargs:
+        out[_XARGS] = {k: v for k, v in xargs.items() if k != KV_PARAMS}
+    return out
 
 
 def prefill_body(body: dict[str, Any], transfer_id: str, chat: bool) -> dict[str, Any]:

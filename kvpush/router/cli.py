@@ -77,9 +77,38 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--admin-token",
-        default=os.environ.get("KVPUSH_ROUTER_ADMIN_TOKEN"),
-        help="bearer token /admin/* requires (default $KVPUSH_ROUTER_ADMIN_TOKEN; "
-        "none: loopback clients only)",
+        default=os.environ.get("KVPUSH_ROUTER_ADMIN_TOKEN") or None,
+        help="bearer token /admin/* and the detailed /health require (default "
+        "$KVPUSH_ROUTER_ADMIN_TOKEN); without one the admin endpoints are off",
+    )
+    p.add_argument(
+        "--admin-loopback-without-token",
+        action="store_true",
+        help="without --admin-token, open /admin/* and the detailed /health to clients "
+        "on this host (loopback) with no token; any local user or program, and a "
+        "browser's page, is such a client",
+    )
+    p.add_argument(
+        "--max-concurrent-requests",
+        type=int,
+        default=1024,
+        metavar="N",
+        help="client requests served at once; beyond, 503 with Retry-After (default 1024)",
+    )
+    p.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=64 * 1024 * 1024,
+        metavar="N",
+        help="largest request body; a larger one gets 413 (default 64 MiB)",
+    )
+    p.add_argument(
+        "--body-timeout",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="seconds a client has to send its request body; a slower one gets 408 and "
+        "its connection closed (default 30)",
     )
     p.set_defaults(func=run)
 
@@ -131,6 +160,10 @@ def run(args: argparse.Namespace) -> int:
             scrape_interval=args.scrape_interval,
             retries=args.retries,
             admin_token=args.admin_token,
+            admin_loopback_open=args.admin_loopback_without_token,
+            max_concurrent=args.max_concurrent_requests,
+            max_body_bytes=args.max_body_bytes,
+            body_timeout=args.body_timeout,
         )
     except ValueError as exc:
         raise SystemExit(f"kvpush router: {exc}") from None

@@ -34,6 +34,12 @@ class RouterConfig:
     scrape_interval: float = 1.0  # seconds between /metrics scrapes of each instance
     retries: int = 1  # more attempts on another pair, before the client got a byte
     admin_token: str | None = None  # required as "Bearer <token>" by /admin/* when set
+    # Without a token the admin endpoints are off, unless this opens them to loopback
+    # clients (an explicit choice: a browser on this host is such a client too).
+    admin_loopback_open: bool = False
+    max_concurrent: int = 1024  # client requests at once; beyond, 503 with Retry-After
+    max_body_bytes: int = 64 * 1024 * 1024  # a longer request body gets 413
+    body_timeout: float = 30.0  # seconds to receive a request's body; slower: 408
 
     def __post_init__(self) -> None:
         positive = {
@@ -42,6 +48,7 @@ class RouterConfig:
             "health_timeout": self.health_timeout,
             "scrape_interval": self.scrape_interval,
             "breaker_cooldown": self.policy.breaker_cooldown,
+            "body_timeout": self.body_timeout,
         }
         for name, value in positive.items():
             if not value > 0:
@@ -50,12 +57,17 @@ class RouterConfig:
             "health_fails": self.health_fails,
             "health_passes": self.health_passes,
             "breaker_failures": self.policy.breaker_failures,
+            "max_concurrent": self.max_concurrent,
+            "max_body_bytes": self.max_body_bytes,
         }
         for name, value in counts.items():
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         if self.retries < 0 or self.policy.affinity_chars < 0:
             raise ValueError("retries and affinity_chars must be >= 0")
+        token = self.admin_token
+        if token is not None and not (token.isascii() and token.isprintable() and token.strip()):
+            raise ValueError("admin_token must be printable ASCII, not empty (an HTTP header)")
 
     def specs(self) -> list[InstanceSpec]:
         """The instances given directly (not by the config file)."""

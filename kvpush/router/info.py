@@ -1,4 +1,8 @@
-"""The router's own endpoints: /v1/models, /health and /metrics."""
+"""The router's own endpoints: /v1/models, /health and /metrics.
+
+Where the router asks D's ``/v1/models`` for a client (the model list, the context
+length its pre-checks use), it sends the client's ``Authorization``: behind vLLM's
+``--api-key`` an anonymous ask is refused, and the pre-checks would quietly stop."""
 
 from __future__ import annotations
 
@@ -9,7 +13,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from kvpush.router import legs
+from kvpush.router import admin, legs
 from kvpush.router.config import CONFIG, LIMITS, METRICS, POOL, SESSION
 
 _HEALTH_TIMEOUT_S = 5.0
@@ -23,16 +27,21 @@ def _decoder(app: web.Application) -> str | None:
     return inst.url if inst is not None else None
 
 
+def _auth(authorization: str | None) -> dict[str, str]:
+    return {"Authorization": authorization} if authorization is not None else {}
+
+
 async def models(request: web.Request) -> web.StreamResponse:
     # Benchmark clients ask for the model name; every instance serves the same model.
     app = request.app
+    headers = _auth(request.headers.get("Authorization"))
     url = _decoder(app)
     if url is None:
         err = legs.LegError("decode", "connection", "no decode instance configured")
         return web.json_response(err.to_json(""), status=503)
     try:
         async with asyncio.timeout(_HEALTH_TIMEOUT_S):
-            async with app[SESSION].get(url + "/v1/models") as resp:
+            async with app[SESSION].get(url + "/v1/models", headers=headers) as resp:
                 data = await resp.read()
                 ctype = resp.headers.get("Content-Type", "application/json")
                 return web.Response(body=data, status=resp.status, headers={"Content-Type": ctype})
@@ -43,14 +52,16 @@ async def models(request: web.Request) -> web.StreamResponse:
     return web.json_response(err.to_json(""), status=err.http_status)
 
 
-async def max_model_len(app: web.Application) -> int | None:
-    """The decoder's max_model_len, from its /v1/models; None if it does not say."""
+async def max_model_len(app: web.Application, authorization: str | None = None) -> int | None:
+    """The decoder's max_model_len, from its /v1/models (asked with the client's
+    `authorization`); None if it does not say."""
     url = _decoder(app)
     if url is None:
         return None
     try:
         async with asyncio.timeout(_HEALTH_TIMEOUT_S):
-            async with app[SESSION].get(url + "/v1/models") as resp:
+            models_url = url + "/v1/models"
+            async with app[SESSION].get(models_url, headers=_auth(authorization)) as resp:
                 if resp.status != 200:
                     return None
                 data = await resp.json()
@@ -64,8 +75,13 @@ async def max_model_len(app: web.Application) -> int | None:
 
 
 async def health(request: web.Request) -> web.Response:
-    """200 when at least one prefiller and one decoder answer their /health now and are
-    not drained; per role, every instance's probe and what the router knows of it."""
+    """To a caller the admin endpoints would answer (`admin.refusal`): 200 when at least
+    one prefiller and one decoder answer their /health now and are not drained, per role
+    every instance's probe and what the router knows of it. To anyone else: 200 and
+    that the router is up, nothing more (no instance, no side channel, no probe: asking
+    costs the upstreams nothing)."""
+    if admin.refusal(request) is not None:
+        return web.json_response({"status": "ok"})
     app = request.app
     cfg, pool = app[CONFIG], app[POOL]
     timeout = min(cfg.timeout, _HEALTH_TIMEOUT_S)
@@ -90,13 +106,14 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=request.app[METRICS].render(), headers={"Content-Type": ctype})
 
 
-async def known_max_model_len(app: web.Application) -> int | None:
-    """D's context length, from its /v1/models: asked once, or again every
-    `_ASK_AGAIN_S` while D cannot say (then None: no request waits on it)."""
+async def known_max_model_len(app: web.Application, authorization: str | None = None) -> int | None:
+    """D's context length, from its /v1/models (asked with the client's
+    `authorization`): asked once, or again every `_ASK_AGAIN_S` while D cannot say
+    (then None: no request waits on it)."""
     limits = app[LIMITS]
     now = time.monotonic()
     if limits.get("max_model_len") is None and now >= (limits.get("ask_at") or 0.0):
         limits["ask_at"] = now + _ASK_AGAIN_S
-        limits["max_model_len"] = await max_model_len(app)
+        limits["max_model_len"] = await max_model_len(app, authorization)
     value = limits.get("max_model_len")
     return int(value) if value is not None else None

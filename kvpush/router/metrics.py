@@ -96,6 +96,13 @@ class RouterMetrics:
             ["leg"],
             registry=r,
         )
+        self._refused = Counter(
+            _PREFIX + "refused_total",
+            "Client requests the router answered itself with a 4xx or 503, no upstream "
+            "asked (busy, header, too_large, body_timeout, too_deep).",
+            ["reason"],
+            registry=r,
+        )
         self._first_mismatch = Counter(
             _PREFIX + "first_token_mismatch_total",
             "Streams where D's first token differed from P's, which the client already had "
@@ -141,6 +148,9 @@ class RouterMetrics:
 
     def unavailable(self, role: str) -> None:
         self._unavailable.labels(role).inc()
+
+    def refused(self, reason: str) -> None:
+        self._child(self._refused, reason).inc()
 
     def first_token(self, leg: str) -> None:
         self._child(self._first_token, leg).inc()

@@ -28,6 +28,7 @@ RECEIVED = "vllm:kvpush_pushes_received_total"
 SENT = "vllm:kvpush_pushes_sent_total"
 TIMEOUT = 60.0  # per client request: far above a healthy one, a hang fails it
 ROUTER_ARGS = ["--health-interval", "0.5", "--health-timeout", "5", "--retries", "2"]
+ROUTER_ARGS += ["--admin-loopback-without-token"]  # admin() sends no token
 
 
 @pytest.fixture(scope="module")

@@ -62,9 +62,13 @@ def dead_url() -> str:
 
 @asynccontextmanager
 async def running(
-    prefill: web.Application | str, decode: web.Application | str, timeout: float = 10.0
+    prefill: web.Application | str,
+    decode: web.Application | str,
+    timeout: float = 10.0,
+    **settings: Any,
 ) -> AsyncIterator[tuple[str, aiohttp.ClientSession]]:
-    """Start the stubs and the router; yield the router URL and a client session."""
+    """Start the stubs and the router (`settings`: more of its RouterConfig); yield the
+    router URL and a client session."""
     runners: list[web.AppRunner] = []
     urls = []
     for upstream in (prefill, decode):
@@ -75,7 +79,11 @@ async def running(
             runners.append(runner)
             urls.append(url)
     config = RouterConfig(
-        prefill_url=urls[0], decode_url=urls[1], timeout=timeout, prefill_side_channel=SIDE_CHANNEL
+        prefill_url=urls[0],
+        decode_url=urls[1],
+        timeout=timeout,
+        prefill_side_channel=SIDE_CHANNEL,
+        **settings,
     )
     # As `kvpush router` runs it: a client hang-up cancels the handler.
     router, router_url = await serve(make_app(config), handler_cancellation=True)
@@ -343,14 +351,18 @@ def test_health_and_metrics() -> None:
         assert 'kvpush_router_request_latency_seconds_count{endpoint="completions"} 1' in text
         assert 'kvpush_router_leg_latency_seconds_count{leg="prefill"} 1' in text
 
-        async with running(stub(ok_prefill), dead_url()) as (url, cl):
-            async with cl.get(url + "/health") as resp:
+        # The instances' state only to an admin (test_router_boundary: anyone else
+        # learns that the router is up).
+        admin = {"headers": {"Authorization": "Bearer s3cret"}}
+        async with running(stub(ok_prefill), dead_url(), admin_token="s3cret") as (url, cl):
+            async with cl.get(url + "/health", **admin) as resp:
                 assert resp.status == 503
                 detail = await resp.json()
         assert detail["prefill"]["ok"] is True and detail["decode"]["ok"] is False
 
-        async with running(stub(ok_prefill, health=500), stub(ok_prefill)) as (url, cl):
-            async with cl.get(url + "/health") as resp:
+        p_down = stub(ok_prefill, health=500)
+        async with running(p_down, stub(ok_prefill), admin_token="s3cret") as (url, cl):
+            async with cl.get(url + "/health", **admin) as resp:
                 assert resp.status == 503
                 probe = (await resp.json())["prefill"]["instances"][0]["probe"]
                 assert probe["status"] == 500

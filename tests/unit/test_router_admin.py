@@ -29,7 +29,7 @@ def test_config_file_reload_and_admin_input_checks(tmp_path: Path) -> None:
         path.write_text(json.dumps({"prefill": [p.url], "decode": [{"url": d0.url}]}))
         cfg = RouterConfig(config_path=str(path), admin_token="s3cret", **FAST)
         router, url = await serve(make_app(cfg), handler_cancellation=True)
-        auth = {"Authorization": "Bearer s3cret"}
+        auth = {"Authorization": "Bearer s3cret", "Content-Type": "application/json"}
         try:
             async with aiohttp.ClientSession(headers=auth) as cl:
                 assert set(await instances(cl, url)) == {p.url, d0.url}
@@ -106,28 +106,73 @@ def test_flags_and_settings_are_checked() -> None:
         make_app(RouterConfig())
 
 
+JSON = {"Content-Type": "application/json"}
+TOKEN = {"Authorization": "Bearer s3cret"}
+
+
 @pytest.mark.parametrize(
-    ("token", "remote", "auth", "status"),
+    ("token", "loopback_open", "remote", "method", "headers", "status"),
     [
-        (None, "127.0.0.1", None, None),
-        (None, "::1", None, None),
-        (None, "10.0.0.7", None, 403),  # no token: loopback only
-        ("s3cret", "10.0.0.7", "Bearer s3cret", None),
-        ("s3cret", "127.0.0.1", None, 401),  # a token set binds loopback too
-        ("s3cret", "10.0.0.7", "Bearer nope", 401),
+        # Without a token the admin endpoints are off, unless opened to loopback.
+        (None, False, "127.0.0.1", "GET", {}, 403),
+        (None, True, "127.0.0.1", "GET", {}, None),
+        (None, True, "::1", "GET", {"Host": "[::1]:8000"}, None),
+        (None, True, "::ffff:127.0.0.1", "GET", {"Host": "localhost:8000"}, None),
+        (None, True, "10.0.0.7", "GET", {}, 403),  # not loopback
+        # A page whose name was rebound to 127.0.0.1 names the router by its own name.
+        (None, True, "127.0.0.1", "GET", {"Host": "evil.example:8000"}, 403),
+        ("s3cret", False, "10.0.0.7", "GET", TOKEN, None),
+        ("s3cret", False, "127.0.0.1", "GET", {}, 401),  # a token set binds loopback too
+        ("s3cret", False, "10.0.0.7", "GET", {"Authorization": "Bearer nope"}, 401),
+        ("s3cret", False, "10.0.0.7", "GET", {"Authorization": "Bearer s3cret2"}, 401),
+        ("s3cret", False, "10.0.0.7", "GET", {"Authorization": "Bearer s3cr\u20ac"}, 401),
+        # A body only as JSON: a page can post a form or text anywhere, JSON not.
+        ("s3cret", False, "10.0.0.7", "POST", {**TOKEN, **JSON}, None),
+        ("s3cret", False, "10.0.0.7", "POST", {**TOKEN, "Content-Type": "text/plain"}, 415),
+        ("s3cret", False, "10.0.0.7", "DELETE", TOKEN, 415),
+        (
+            None,
+            True,
+            "127.0.0.1",
+            "POST",
+            {"Content-Type": "application/x-www-form-urlencoded"},
+            415,
+        ),
+        # Another site's page, token or not.
+        ("s3cret", False, "10.0.0.7", "GET", {**TOKEN, "Origin": "http://evil.example"}, 403),
+        (None, True, "127.0.0.1", "POST", {**JSON, "Origin": "http://evil.example"}, 403),
+        (None, True, "127.0.0.1", "POST", {**JSON, "Origin": "null"}, 403),
+        (None, True, "127.0.0.1", "POST", {**JSON, "Origin": "http://127.0.0.1:8000"}, None),
     ],
 )
 def test_admin_refusals(
-    token: str | None, remote: str, auth: str | None, status: int | None
+    token: str | None,
+    loopback_open: bool,
+    remote: str,
+    method: str,
+    headers: dict[str, str],
+    status: int | None,
 ) -> None:
-    app = make_app(
-        RouterConfig(prefill_url="http://p:1", decode_url="http://d:1", admin_token=token)
+    cfg = RouterConfig(
+        prefill_url="http://p:1",
+        decode_url="http://d:1",
+        admin_token=token,
+        admin_loopback_open=loopback_open,
     )
+    app = make_app(cfg)
     transport = mock.Mock()
     transport.get_extra_info.side_effect = lambda k, d=None: (remote, 5) if k == "peername" else d
-    headers = {"Authorization": auth} if auth else {}
+    headers = {"Host": "127.0.0.1:8000", **headers}
     req = make_mocked_request(
-        "GET", "/admin/instances", headers=headers, app=app, transport=transport
+        method, "/admin/instances", headers=headers, app=app, transport=transport
     )
     got = admin.refusal(req)
     assert (got.status if got is not None else None) == status
+
+
+def test_admin_token_is_compared_in_constant_time() -> None:
+    app = make_app(RouterConfig(prefill_url="http://p:1", decode_url="http://d:1", admin_token="t"))
+    req = make_mocked_request("GET", "/admin/instances", headers=TOKEN, app=app)
+    with mock.patch.object(admin.hmac, "compare_digest", return_value=True) as compare:
+        assert admin.refusal(req) is None  # the comparison decided, not ==
+    compare.assert_called_once()

@@ -98,7 +98,9 @@ async def pools(
     ds = [await Fake(f"d{i}", "decode", prefilled).start() for i in range(n_decode)]
     specs = [InstanceSpec("prefill", p.url, ("127.0.0.1", 5600 + i)) for i, p in enumerate(ps)]
     specs += [InstanceSpec("decode", d.url) for d in ds]
-    cfg = RouterConfig(instances=tuple(specs), timeout=DEADLINE, **{**FAST, **config})
+    # The admin endpoints open to this (loopback) client without a token.
+    settings = {**FAST, "admin_loopback_open": True, **config}
+    cfg = RouterConfig(instances=tuple(specs), timeout=DEADLINE, **settings)
     router, url = await serve(make_app(cfg), handler_cancellation=True)
     try:
         async with aiohttp.ClientSession() as client:
