@@ -94,24 +94,31 @@ async def read_body(request: web.Request) -> bytes:
     app = request.app
     cfg, metrics = app[CONFIG], app[METRICS]
     limit = cfg.max_body_bytes
+    too_large = f"the body is over {limit} bytes"
     if request.content_length is not None and request.content_length > limit:
         metrics.refused("too_large")
-        raise Refused(_closing(error(413, f"the body is over {limit} bytes")))
+        raise Refused(await _closing(request, error(413, too_large)))
     try:
         async with asyncio.timeout(cfg.body_timeout):
             return await request.read()
     except TimeoutError:
         metrics.refused("body_timeout")
         why = f"the request body did not arrive within {cfg.body_timeout:g}s"
-        raise Refused(_closing(error(408, why, "RequestTimeout"))) from None
+        raise Refused(await _closing(request, error(408, why, "RequestTimeout"))) from None
     except web.HTTPRequestEntityTooLarge:  # a chunked body over client_max_size
         metrics.refused("too_large")
-        raise Refused(_closing(error(413, f"the body is over {limit} bytes"))) from None
+        raise Refused(await _closing(request, error(413, too_large))) from None
 
 
-def _closing(resp: web.Response) -> web.Response:
-    # The rest of the body is not read: the connection cannot carry another request.
+async def _closing(request: web.Request, resp: web.Response) -> web.Response:
+    """`resp` sent, then the connection closed: the rest of the body is not read, so the
+    connection cannot carry another request, and aiohttp would otherwise go on reading
+    (and discarding) it for a while, a slow sender's connection held all that time."""
     resp.force_close()
+    await resp.prepare(request)
+    await resp.write_eof()
+    if request.transport is not None:
+        request.transport.close()
     return resp
 
 
