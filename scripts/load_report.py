@@ -1,0 +1,206 @@
+"""Render a load benchmark's results (scripts/load_bench_gpu.py): one markdown table and one
+plot per mix, ratios against the plain server, and issue 38's targets cell by cell.
+
+    python scripts/load_report.py DIR [--plot]   # DIR holds summary.json; prints markdown
+
+Targets, at every rate where the plain server's TTFT p99 is under 200 ms: kvpush TTFT p50
+<= plain + 5 ms; kvpush TTFT p99 <= 1.2 x plain; kvpush TPOT p99 <= 0.75 x plain; kvpush's
+TTFT overhead over plain <= 0.2 x NixlPush's (judged at p50 and at p99, both shown); no
+failed request for any contender.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+ORDER = ("plain", "kvpush", "push", "pull")
+SHORT = {"plain": "plain", "kvpush": "kvpush", "push": "NixlPush", "pull": "Nixl pull"}
+
+
+def cells(summary: dict[str, Any]) -> dict[str, dict[float, dict[str, dict[str, Any]]]]:
+    """mix -> rate -> contender -> run row (measured runs only, not the warm-ups)."""
+    out: dict[str, dict[float, dict[str, dict[str, Any]]]] = {}
+    for row in summary["runs"]:
+        if row["tag"] == "warmup":
+            continue
+        out.setdefault(row["mix"], {}).setdefault(row["rate"], {})[row["contender"]] = row
+    return out
+
+
+def _f(v: Any, nd: int = 1) -> str:
+    return "-" if v is None else f"{v:.{nd}f}"
+
+
+def _pair(row: dict[str, Any] | None, metric: str) -> str:
+    if not row or "error" in row:
+        return "not run" if not row else "error"
+    return f"{_f(row.get(f'p50_{metric}_ms'))} / {_f(row.get(f'p99_{metric}_ms'))}"
+
+
+def table(mix: str, by_rate: dict[float, dict[str, dict[str, Any]]], names: list[str]) -> str:
+    head = ["rate (req/s)"]
+    for n in names:
+        head += [f"{SHORT[n]} TTFT p50 / p99", f"{SHORT[n]} TPOT p50 / p99"]
+    head += [f"{SHORT[n]} ITL p99" for n in names]
+    head.append("failed (" + " / ".join(SHORT[n] for n in names) + ")")
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for rate in sorted(by_rate):
+        runs = by_rate[rate]
+        row = [f"{rate:g}"]
+        for n in names:
+            row += [_pair(runs.get(n), "ttft"), _pair(runs.get(n), "tpot")]
+        row += [_f((runs.get(n) or {}).get("p99_itl_ms")) for n in names]
+        fails = []
+        for n in names:
+            r = runs.get(n)
+            if not r:
+                fails.append("not run")
+            elif "error" in r:
+                fails.append("run failed")
+            else:
+                fails.append(f"{r.get('failed')}")
+        row.append(" / ".join(fails))
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def _get(runs: dict[str, dict[str, Any]], name: str, key: str) -> float | None:
+    r = runs.get(name)
+    if not r or "error" in r:
+        return None
+    v = r.get(key)
+    return None if v is None else float(v)
+
+
+def targets(by_rate: dict[float, dict[str, dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Each rate's target checks; None where a number is missing (not run)."""
+    out = []
+    for rate in sorted(by_rate):
+        runs = by_rate[rate]
+        plain99 = _get(runs, "plain", "p99_ttft_ms")
+        row: dict[str, Any] = {"rate": rate, "plain_ttft_p99": plain99}
+        row["in_scope"] = plain99 is not None and plain99 < 200
+        g = {q: {n: _get(runs, n, f"{q}_ttft_ms") for n in ORDER} for q in ("p50", "p99")}
+        k50, p50 = g["p50"]["kvpush"], g["p50"]["plain"]
+        k99, p99 = g["p99"]["kvpush"], g["p99"]["plain"]
+        kt, pt = _get(runs, "kvpush", "p99_tpot_ms"), _get(runs, "plain", "p99_tpot_ms")
+        row["ttft_p50_over_plain_ms"] = None if None in (k50, p50) else k50 - p50  # type: ignore[operator]
+        row["ttft_p50_ok"] = (
+            None if row["ttft_p50_over_plain_ms"] is None else row["ttft_p50_over_plain_ms"] <= 5
+        )
+        row["ttft_p99_ratio"] = None if None in (k99, p99) else k99 / p99  # type: ignore[operator]
+        row["ttft_p99_ok"] = None if row["ttft_p99_ratio"] is None else row["ttft_p99_ratio"] <= 1.2
+        row["tpot_p99_ratio"] = None if None in (kt, pt) else kt / pt  # type: ignore[operator]
+        row["tpot_p99_ok"] = (
+            None if row["tpot_p99_ratio"] is None else row["tpot_p99_ratio"] <= 0.75
+        )
+        for q in ("p50", "p99"):
+            k, p, x = g[q]["kvpush"], g[q]["plain"], g[q]["push"]
+            ratio = None
+            if None not in (k, p, x) and x - p > 0:  # type: ignore[operator]
+                ratio = (k - p) / (x - p)  # type: ignore[operator]
+            row[f"overhead_ratio_{q}"] = ratio
+            row[f"overhead_{q}_ok"] = None if ratio is None else ratio <= 0.2
+        fails = [(runs.get(n) or {}).get("failed") for n in ORDER if n in runs]
+        row["failed"] = {n: (runs.get(n) or {}).get("failed", "run failed") for n in runs}
+        row["no_failures_ok"] = all(f == 0 for f in fails) and all(
+            "error" not in r for r in runs.values()
+        )
+        out.append(row)
+    return out
+
+
+def _mark(ok: bool | None) -> str:
+    return "n/a" if ok is None else ("yes" if ok else "**no**")
+
+
+def targets_table(rows: list[dict[str, Any]]) -> str:
+    head = ("rate", "plain TTFT p99 < 200 ms", "kvpush TTFT p50 - plain (<= 5 ms)",
+            "TTFT p99 kvpush/plain (<= 1.2)", "TPOT p99 kvpush/plain (<= 0.75)",
+            "overhead kvpush/NixlPush p50 (<= 0.2)", "same at p99", "0 failed")  # fmt: skip
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells_ = [
+            f"{r['rate']:g}",
+            f"{_f(r['plain_ttft_p99'])} ms: {'yes' if r['in_scope'] else 'no (out of scope)'}",
+            f"{_f(r['ttft_p50_over_plain_ms'])}: {_mark(r['ttft_p50_ok'])}",
+            f"{_f(r['ttft_p99_ratio'], 2)}: {_mark(r['ttft_p99_ok'])}",
+            f"{_f(r['tpot_p99_ratio'], 2)}: {_mark(r['tpot_p99_ok'])}",
+            f"{_f(r['overhead_ratio_p50'], 2)}: {_mark(r['overhead_p50_ok'])}",
+            f"{_f(r['overhead_ratio_p99'], 2)}: {_mark(r['overhead_p99_ok'])}",
+            _mark(r["no_failures_ok"]),
+        ]
+        lines.append("| " + " | ".join(cells_) + " |")
+    return "\n".join(lines)
+
+
+def plot(
+    mix: str, by_rate: dict[float, dict[str, dict[str, Any]]], names: list[str], path: Path
+) -> None:
+    """TTFT and TPOT, p50 (solid) and p99 (dashed), against the rate, every contender;
+    a failed request count above a point."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    rates = sorted(by_rate)
+    for ax, metric in zip(axes, ("ttft", "tpot"), strict=True):
+        for i, n in enumerate(names):
+            color = f"C{i}"
+            for q, style in (("p50", "-"), ("p99", "--")):
+                xs = [r for r in rates if _get(by_rate[r], n, f"{q}_{metric}_ms") is not None]
+                ys = [_get(by_rate[r], n, f"{q}_{metric}_ms") for r in xs]
+                ax.plot(xs, ys, style, marker="o", color=color, label=f"{SHORT[n]} {q}")
+            for r in rates:
+                failed = (by_rate[r].get(n) or {}).get("failed")
+                y = _get(by_rate[r], n, f"p99_{metric}_ms")
+                if failed and y is not None:
+                    ax.annotate(f"{failed} failed", (r, y), color=color, fontsize=7)
+        ax.set_xscale("log")
+        ax.set_xticks(rates, [f"{r:g}" for r in rates])
+        ax.minorticks_off()
+        ax.set_xlabel("request rate (req/s, Poisson)")
+        ax.set_ylabel(f"{metric.upper()} ms")
+        ax.set_yscale("log")
+        ax.set_title(f"mix {mix}: {metric.upper()} p50 (solid) / p99 (dashed)")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("dir")
+    p.add_argument("--plot", action="store_true", help="write DIR/load-<mix>.png")
+    args = p.parse_args(argv)
+    d = Path(args.dir)
+    summary = json.loads((d / "summary.json").read_text())
+    names = [n for n in ORDER if n in summary["labels"]]
+    mixes = {m["name"]: m for m in summary["mixes"]}
+    report: dict[str, Any] = {}
+    for mix, by_rate in cells(summary).items():
+        m = mixes[mix]
+        print(f"\n### Mix {mix}: {m['input_len']} in / {m['output_len']} out, "
+              f"{m['requests']} requests per rate\n")  # fmt: skip
+        print(table(mix, by_rate, names))
+        rows = targets(by_rate)
+        report[mix] = rows
+        print(f"\nTargets (mix {mix}):\n")
+        print(targets_table(rows))
+        if args.plot:
+            plot(mix, by_rate, names, d / f"load-{mix}.png")
+    if summary.get("not_run"):
+        print(f"\nNot run (deadline): {', '.join(summary['not_run'])}")
+    (d / "targets.json").write_text(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
