@@ -60,6 +60,7 @@ def render(data: dict[str, Any]) -> str:
     out += _soak(data.get("soak"))
     out += _fuzz(data.get("fuzz"))
     out += TRUST
+    out += TRUST_BOUNDARIES
     out += CROSS_HOST
     out += LIMITS
     return "\n".join(out) + "\n"
@@ -179,7 +180,7 @@ def _fuzz(entry: dict[str, Any] | None) -> list[str]:
 TRUST = [
     "## Trust: who gets the handshake answer",
     "",
-    "With `KVPUSH_SHARED_SECRET` set (README, Trust). Checked by",
+    'With `KVPUSH_SHARED_SECRET` set (operating.md, "Trust set-up"). Checked by',
     "`tests/integration/test_auth.py` against real P, D and exporter processes (real NIXL;",
     "the exporter's answer holds CUDA IPC handle bytes), asserting on every byte the rogue",
     "received, and by `tests/unit/test_handshake.py` / `test_trust.py`.",
@@ -206,6 +207,16 @@ TRUST = [
     "`notif_unauthenticated` | the push completes, verified |",
     "| no secret configured | anyone reaching the port | the whole answer, as before; a "
     "start-up warning says so | - | - |",
+    "",
+]
+
+
+# Kept by hand here so that a run of faults / soak / fuzz does not wipe it.
+TRUST_BOUNDARIES = [
+    "## Trust boundaries",
+    "",
+    "To be written: which inputs each process takes from whom (clients through the router,",
+    "peers over the side channel and NIXL), what it checks, and what a bad input can cost.",
     "",
 ]
 
@@ -244,7 +255,8 @@ CROSS_HOST = [
     "requests after the link came back). NIXL's disconnect does not stop them: in a raw NIXL "
     "check over the same link, with both agents removed, the healed link still delivered 40 KB "
     "into D's buffer. With `tcp_retries2=3` the kernel aborts the connection within about 3 s of "
-    'silence and nothing arrived late. Hence D\'s hold on such blocks (README, "Partitions"):',
+    "silence and nothing arrived late. Hence D's hold on such blocks "
+    '(operating.md, "Partitions"):',
     "`tests/e2e/test_partition_hold.py` cuts the link as above with the kernel's default",
     "`tcp_retries2` (15) and a 30 s `late_write_hold_s`: the clients get 502 within the",
     "watchdog, P frees within its lease, D holds the three requests' blocks, requests after",
