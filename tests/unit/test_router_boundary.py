@@ -140,7 +140,9 @@ def test_a_retry_on_another_pair_carries_only_the_routers_kv_transfer_params() -
                 await runner.cleanup()
         p_bodies = [b for rec in ps for b in rec.bodies]
         assert len(p_bodies) == 2 and failing == [0]  # tried twice
-        assert_routers_own(p_bodies[-1], {"do_remote_decode": True, "transfer_id": tid})
+        last = [b for b in p_bodies if b["kv_transfer_params"]["transfer_id"] == tid]
+        assert len(last) == 1  # the try that served the client
+        assert_routers_own(last[0], {"do_remote_decode": True, "transfer_id": tid})
         for b in [*p_bodies, *(b for rec in ds for b in rec.bodies)]:
             params = b["kv_transfer_params"]
             assert params.get("remote_port") != 9 and params["transfer_id"] != "mine", b
@@ -203,10 +205,10 @@ async def raw_request(url: str, data: bytes, read_timeout: float = DEADLINE) -> 
         writer.close()
 
 
-def post_bytes(body: bytes, headers: str = "") -> bytes:
+def post_bytes(body: bytes, headers: bytes = b"") -> bytes:
     return (
         b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-        + headers.encode()
+        + headers
         + b"Connection: close\r\nContent-Length: %d\r\n\r\n" % len(body)
         + body
     )
@@ -232,10 +234,11 @@ def test_a_header_that_is_not_ascii_is_a_400_that_counts_against_nobody() -> Non
     async def main() -> None:
         async with routed(admin_token="s3cret") as (url, cl, p, d):
             body = json.dumps(completion_body()).encode()
-            for value in ("Bearer €", "Bearer é"):
+            # UTF-8 beyond Latin-1 and within it, bytes that are not UTF-8, Latin-1.
+            for value in ("Bearer €".encode(), "Bearer é".encode(), b"\xff\xfe", b"\xe9"):
                 for _ in range(4):  # more than the breaker's 3 failures
-                    data = post_bytes(body, f"Authorization: {value}\r\n")
-                    got = await raw_request(url, data)  # the value as UTF-8 bytes
+                    data = post_bytes(body, b"Authorization: " + value + b"\r\n")
+                    got = await raw_request(url, data)
                     assert got.startswith(b"HTTP/1.1 400"), got[:200]
                     assert b"not printable ASCII" in got
             assert p.bodies == [] and d.bodies == []
