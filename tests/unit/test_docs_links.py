@@ -47,7 +47,7 @@ def test_the_anchor_rule() -> None:
     assert anchor("Real vLLM on one H200 (the product path)") == (
         "real-vllm-on-one-h200-the-product-path"
     )
-    assert anchor("Under MPS: 2k / 8k / 32k") == "under-mps-2k--8k--32k"
+    assert anchor("2k / 8k / 32k under MPS") == "2k--8k--32k-under-mps"
     assert anchor("What differs from vLLM's in-tree `NixlPushConnector`") == (
         "what-differs-from-vllms-in-tree-nixlpushconnector"
     )
