@@ -13,6 +13,16 @@ from typing import Generic, NamedTuple, TypeVar
 
 _SUFFIX = re.compile(r"-[0-9a-f]{8}$")
 
+# ``remote_engine_id`` of a registration whose leg named no prefiller engine: any P takes
+# it. ``LEGACY_ANY_ENGINE`` is what D sent in that case before (a D not yet upgraded).
+ANY_ENGINE = "*"
+LEGACY_ANY_ENGINE = "prefill"
+
+
+def names_other_engine(named: str, engine_id: str) -> bool:
+    """A registration addressed to engine ``named`` cannot be served by ``engine_id``."""
+    return named not in (ANY_ENGINE, LEGACY_ANY_ENGINE, engine_id)
+
 
 def base_request_id(request_id: str) -> str:
     """Strip the trailing per-engine ``-xxxxxxxx`` suffix; keep everything else."""
@@ -77,6 +87,20 @@ class MatchTable(Generic[V]):
         """The entry of exactly this transfer id (what ``find`` tries first): one lookup."""
         slot = self._by_tid.get(transfer_id) if transfer_id is not None else None
         return None if slot is None else self._entries[slot][1]
+
+    def find_named(self, name: str | None) -> V | None:
+        """The oldest entry whose request id, without its engine suffix, is ``name``,
+        whatever its transfer id (a decoder that named P's request: ``remote_request_id``)."""
+        slots = self._by_base.get(name) if name else None
+        return self._entries[slots[0]][1] if slots else None
+
+    def pop_tid(self, transfer_id: str | None) -> tuple[Key, V] | None:
+        """Remove and return the entry of exactly this transfer id, with its key."""
+        slot = self._by_tid.get(transfer_id) if transfer_id is not None else None
+        if slot is None:
+            return None
+        key = self._entries[slot][0]
+        return key, self._remove(slot)
 
     def pop(self, key: Key) -> V | None:
         slot = self._find_slot(key)

@@ -12,14 +12,14 @@ from __future__ import annotations
 import logging
 import queue
 import time
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 from kvpush.core import trace, wire
 from kvpush.core.errors import HandshakeError, TransportError
-from kvpush.core.ids import Key, MatchTable
+from kvpush.core.ids import Key, MatchTable, base_request_id, names_other_engine
 from kvpush.core.layout import as_ids
 from kvpush.core.records import DKey, Flight, PendingGroup, PendingReg, PRequest, PushTransfer
 from kvpush.core.routing import p_targets
@@ -45,6 +45,9 @@ class Producer:
         self.tombstones: dict[DKey, float] = {}  # cancelled registrations, until expiry
         self.evicted_unknown: set[str] = set()  # evicted before their blocks reached us
         self.withdrawn: dict[str, float] = {}  # transfer ids D withdrew before we staged them
+        # Keys and names of our requests that ended, until when we remember them: a
+        # registration naming one can never be served and is failed at once.
+        self.ended: OrderedDict[str, tuple[float, str]] = OrderedDict()
         self.outbox: dict[tuple[str, int], list[wire.Message]] = defaultdict(list)
         s = shared
         self.sender = Sender(s.peers, s.stats, s.observe, self._replay, self._finish, self._fail)
@@ -64,10 +67,11 @@ class Producer:
         if staged.request_id in self.by_prid:
             log.warning("request %s staged twice; ignoring the second", staged.request_id)
             return
-        if self.withdrawn.pop(staged.transfer_id or "", None) is not None:
+        if self._withdrawn_before(staged):
             self.s.stats["withdrawn"] += 1
             self.s.emit("sent", staged.request_id)  # D will never ask for it
             return
+        self._adopt_named(staged)
         # The common case first: D's registration of this transfer id came first and its
         # copy is armed: copy now, keep the books after (the copy runs meanwhile).
         first = self.pending_regs.by_tid(staged.transfer_id)
@@ -155,6 +159,10 @@ class Producer:
             return
         if not self._trusted(sender, reg):
             return
+        if names_other_engine(reg.remote_engine_id, self.s.config.engine_id):
+            engine = self.s.config.engine_id
+            self._refuse(reg, f"it names engine {reg.remote_engine_id!r}; this is {engine!r}")
+            return
         group = self.pending_regs.find(key)
         rank = reg.decode_tp_rank
         if dkey in self.by_dkey or (group is not None and rank in group.regs):
@@ -163,11 +171,15 @@ class Producer:
             return
         # The decoder checked the ids for duplicates; D's layout checks the range at WRITE.
         pend = PendingReg(reg, sender, time.monotonic(), [as_ids(g) for g in reg.local_block_ids])
-        preq = self.staged.find(key)
+        preq = self._staged_for(key)
         if preq is not None:
             self._attach(preq, pend)
             if not preq.waiting():
                 self.staged.pop_value(preq)
+            return
+        ended = self._ended_for(key)
+        if ended:
+            self._refuse(reg, ended)
             return
         if group is None:
             self.pending_regs.add(key, PendingGroup({rank: pend}))
@@ -237,7 +249,7 @@ class Producer:
             trace.mark("p_producer.withdrawn", tid)
         if tid is None:
             return  # matched by request id alone: leave it to the lease
-        preq = self.staged.by_tid(tid)
+        preq = self.staged.by_tid(tid) or self.staged.find_named(tid)
         if preq is None:
             self.withdrawn[tid] = time.monotonic() + self.s.config.registration_ttl_s
         elif not preq.legs:  # no other D rank registered: nothing can be writing
@@ -248,7 +260,7 @@ class Producer:
         for e in hb.entries:
             leg = self.by_dkey.get((sender, e.request_id))
             key = Key(e.request_id, e.transfer_id)
-            preq = leg.preq if leg is not None else self.staged.find(key)
+            preq = leg.preq if leg is not None else self._staged_for(key)
             if preq is not None:
                 self.s.emit("renewed", preq.prid)
 
@@ -268,6 +280,8 @@ class Producer:
                 self.pending_regs.pop_value(group)
         self.tombstones = {k: until for k, until in self.tombstones.items() if until >= now}
         self.withdrawn = {k: until for k, until in self.withdrawn.items() if until >= now}
+        while self.ended and next(iter(self.ended.values()))[0] < now:
+            self.ended.popitem(last=False)
         held: dict[str, list[wire.HbEntry]] = defaultdict(list)
         for group in self.pending_regs.values():
             for pend in group.regs.values():
@@ -366,4 +380,56 @@ class Producer:
         if self.by_prid.pop(preq.prid, None) is None:
             return
         self.staged.pop_value(preq)
+        self._mark_ended(preq)
         self.s.emit("sent", preq.prid)
+
+    # ---- pairing by P's request name, and registrations that can never pair --------------
+
+    def _staged_for(self, key: Key) -> PRequest | None:
+        """Our request a registration (or heartbeat) names: by transfer id or request id,
+        else by our request's id without its suffix (D's leg named it: remote_request_id)."""
+        preq = self.staged.find(key)
+        return preq if preq is not None else self.staged.find_named(key.transfer_id)
+
+    def _adopt_named(self, staged: StagedBlocks) -> None:
+        """Registrations that name this request by its id (not by its transfer id) wait
+        under that name: key them as this request, so the matching below finds them."""
+        name = base_request_id(staged.request_id)
+        if staged.transfer_id == name or self.pending_regs.by_tid(staged.transfer_id):
+            return
+        got = self.pending_regs.pop_tid(name)
+        if got is not None:
+            self.pending_regs.add(Key(staged.request_id, staged.transfer_id), got[1])
+
+    def _withdrawn_before(self, staged: StagedBlocks) -> bool:
+        """D withdrew this request's transfer (by its key or by its name) before it came."""
+        name = base_request_id(staged.request_id)
+        by_key = self.withdrawn.pop(staged.transfer_id or "", None) is not None
+        return self.withdrawn.pop(name, None) is not None or by_key
+
+    def _mark_ended(self, preq: PRequest) -> None:
+        """Remember that ``preq`` ended (for registration_ttl_s), and fail the registrations
+        still waiting for it: none can be served any more."""
+        how = "was evicted (its lease ran out, or it was aborted)" if preq.ended else "was pushed"
+        why = f"the prefiller's request {preq.prid} already ended: it {how}"
+        until = time.monotonic() + self.s.config.registration_ttl_s
+        for name in {preq.tid, base_request_id(preq.prid)} - {None}:
+            assert name is not None
+            self.ended[name] = (until, why)
+            self.ended.move_to_end(name)
+            got = self.pending_regs.pop_tid(name)
+            for pend in got[1].regs.values() if got else ():
+                self._refuse(pend.reg, why)
+
+    def _ended_for(self, key: Key) -> str:
+        """Why no request of ours can serve a registration of ``key`` ("" if one may)."""
+        name = key.transfer_id if key.transfer_id is not None else base_request_id(key.request_id)
+        got = self.ended.get(name)
+        return got[1] if got else ""
+
+    def _refuse(self, reg: wire.PushReg, why: str) -> None:
+        """Fail a registration that can never pair here: D fails its request now, not
+        at its registration's expiry (registration_ttl_s)."""
+        self.s.stats["reg_unpairable"] += 1
+        log.warning("registration %s refused: %s", reg.request_id, why)
+        self._send_to(reg, self._fail_msg(reg, f"cannot pair: {why}"))

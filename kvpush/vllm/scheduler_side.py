@@ -12,7 +12,7 @@ import re
 from typing import Any
 
 from kvpush.core import trace
-from kvpush.core.ids import base_request_id
+from kvpush.core.ids import ANY_ENGINE, base_request_id
 from kvpush.core.scheduler import PushScheduler, SchedulerConfig
 from kvpush.core.types import RecvRegistration, StepMeta, WorkerOutput
 from kvpush.vllm.config import ConnectorOptions
@@ -32,6 +32,14 @@ def _params(request: Any) -> dict[str, Any]:
     return params if isinstance(params, dict) else {}
 
 
+def sub_request(request_id: str) -> tuple[int, int]:
+    """(prompt, sample) of an engine request of a client request (see ``transfer_key``)."""
+    child, sep, rest = request_id.partition("_")
+    sample = int(child) if sep and child.isdigit() else 0
+    index = _PROMPT_INDEX.match(base_request_id(rest if sep and child.isdigit() else request_id))
+    return (int(index.group(1)) if index else 0), sample
+
+
 def transfer_key(request_id: str, transfer_id: Any) -> str | None:
     """The key of one engine request's transfer: the router's ``transfer_id`` plus which
     engine sub-request of the client request this is.
@@ -45,13 +53,30 @@ def transfer_key(request_id: str, transfer_id: Any) -> str | None:
     ``transfer_id``."""
     if not transfer_id:
         return None
-    child, sep, rest = request_id.partition("_")
-    sample = int(child) if sep and child.isdigit() else 0
-    base = base_request_id(rest if sep and child.isdigit() else request_id)
-    index = _PROMPT_INDEX.match(base)
-    prompt = int(index.group(1)) if index else 0
+    prompt, sample = sub_request(request_id)
     tid = str(transfer_id)
     return tid if prompt == sample == 0 else f"{tid}:{prompt}:{sample}"
+
+
+def named_key(request_id: str, remote_request_id: Any) -> str | None:
+    """D's key of a transfer whose leg names P's request (``remote_request_id``, the
+    contract of vLLM's in-tree push connector) and carries no ``transfer_id``: P's id of
+    the matching engine request without its engine suffix. That is the key P mints for a
+    request that carried no transfer id (``p_key``), and a name P also finds a request by
+    when it did carry one (``MatchTable.find_named``). D's sub-request ``i`` of a client
+    request with several prompts, sample ``j`` of ``n``, names P's ``j_cmpl-<id>-<i>``."""
+    if not isinstance(remote_request_id, str) or not remote_request_id:
+        return None
+    name = base_request_id(remote_request_id)
+    child, sep, rest = name.partition("_")
+    if sep and child.isdigit():  # P's id of one sample (from its answer): the parent's
+        name = rest
+    prompt, sample = sub_request(request_id)
+    if prompt:
+        named = _PROMPT_INDEX.match(name)
+        if named is not None:  # (a name of another shape: as given)
+            name = name[: named.start(1)] + str(prompt)
+    return f"{sample}_{name}" if sample else name
 
 
 def registration(rid: str, params: dict[str, Any], groups: list[list[int]]) -> RecvRegistration:
@@ -59,12 +84,15 @@ def registration(rid: str, params: dict[str, Any], groups: list[list[int]]) -> R
     return RecvRegistration(
         request_id=rid,
         block_ids=groups,
-        remote_engine_id=str(params.get("remote_engine_id") or "prefill"),
+        remote_engine_id=str(params.get("remote_engine_id") or ANY_ENGINE),
         remote_host=str(params["remote_host"]),
         remote_port=int(params["remote_port"]),
         remote_tp_size=int(params.get("remote_tp_size", params.get("tp_size", 1))),
-        transfer_id=transfer_key(rid, params.get("transfer_id")),
-        remote_pp_size=int(params.get("remote_pp_size", 1)),
+        # Precedence (docs/migration.md): the transfer id both legs carry, else the P
+        # request D's leg names, else neither (P matches by the shared base id).
+        transfer_id=transfer_key(rid, params.get("transfer_id"))
+        or named_key(rid, params.get("remote_request_id")),
+        remote_pp_size=int(params.get("remote_pp_size", params.get("pp_size", 1))),
     )
 
 
@@ -245,6 +273,10 @@ class SchedulerSide:
             "remote_port": self.opts.side_channel_port,
             "remote_tp_size": self.tp_size,
             "remote_pp_size": self.pp_size,
+            # The in-tree push connector's names, for proxies that build D's leg from them.
+            "remote_request_id": rid,
+            "tp_size": self.tp_size,
+            "pp_size": self.pp_size,
         }
 
     def _withdraw(self, rid: str, params: dict[str, Any]) -> None:

@@ -39,6 +39,8 @@ COUNTERS: dict[str, tuple[str, ...]] = {
     "push_failures:handshake": ("handshake_failed",),
     "push_failures:invalid_registration": ("reg_invalid", "reg_wrong_sender"),
     "push_failures:untrusted_decoder": ("reg_untrusted",),
+    # A registration P can never serve (another engine id; a request of P's that ended).
+    "push_failures:unpairable": ("reg_unpairable",),
     "push_failures:registration_expired": ("reg_expired",),
     "push_failures:lease_expired": ("lease_expired",),
     "push_failures:receive_failed": ("recv_failed",),
