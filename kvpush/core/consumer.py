@@ -16,6 +16,8 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
+import msgspec
+
 from kvpush.core import trace, wire
 from kvpush.core.copy_route import CopyReceiver
 from kvpush.core.errors import HandshakeError, LayoutError, TransportError
@@ -29,6 +31,9 @@ if TYPE_CHECKING:
     from kvpush.core.shared import Shared
 
 log = logging.getLogger(__name__)
+
+# A receive failed by a PUSH_FAIL of a known cause counts under it, not "recv_failed".
+_FAILED_BY = {wire.CAUSE_PROMPT_MISMATCH: "recv_prompt_mismatch"}
 
 
 class Consumer:
@@ -175,6 +180,7 @@ class Consumer:
             remote_tp_size=r.remote_tp_size,
             transfer_id=r.transfer_id,
             decode_tp_rank=cfg.tp_rank,
+            prompt=msgspec.UNSET if r.prompt is None else r.prompt,
         )
 
     def _on_cancel(self, rid: str, expired: bool) -> None:
@@ -297,6 +303,7 @@ class Consumer:
         if t.state is State.AWAITING and not (f.reason == "cancelled" and sender not in t.sources):
             # Fail, but only once the other sources can no longer write into the blocks.
             t.fail_reason = f"prefiller gave up: {f.reason}"
+            t.fail_cause = f.cause if isinstance(f.cause, str) else ""
             self._cancel_sources(t)
         self._settle(t)
 
@@ -349,7 +356,8 @@ class Consumer:
         transition(t, state, t.name, reason)
         if state is State.FAILED or state is State.EXPIRED:
             log.warning("receive %s ended %s: %s", t.name, state.value, reason)
-            self.s.stats["recv_failed" if state is State.FAILED else "recv_expired"] += 1
+            failed = _FAILED_BY.get(t.fail_cause, "recv_failed")
+            self.s.stats[failed if state is State.FAILED else "recv_expired"] += 1
         elif state is State.DONE and was is State.AWAITING and t.sent_at:
             self.s.observe("kv_wait_seconds", time.monotonic() - t.sent_at)
         if self.recvs.pop(t.rid, None) is t:

@@ -17,6 +17,8 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
+import msgspec
+
 from kvpush.core import trace, wire
 from kvpush.core.errors import HandshakeError, TransportError
 from kvpush.core.ids import Key, MatchTable, base_request_id, names_other_engine
@@ -31,6 +33,17 @@ if TYPE_CHECKING:
     from kvpush.core.shared import Shared
 
 log = logging.getLogger(__name__)
+
+
+def _prompt_mismatch(mine: wire.PromptPrint | None, reg: wire.PushReg) -> str:
+    """Why D's registration names another prompt than P computed; "" when they agree or
+    either side sent no print (a seed decoder, a prompt without token ids)."""
+    theirs = reg.prompt
+    if mine is None or not isinstance(theirs, wire.PromptPrint) or theirs == mine:
+        return ""
+    if theirs.tokens != mine.tokens:
+        return f"prompt mismatch: D has {theirs.tokens} prompt tokens, P computed {mine.tokens}"
+    return f"prompt mismatch: D's {theirs.tokens} prompt tokens differ from P's"
 
 
 class Producer:
@@ -76,7 +89,9 @@ class Producer:
         # copy is armed: copy now, keep the books after (the copy runs meanwhile).
         first = self.pending_regs.by_tid(staged.transfer_id)
         layered = staged.feed is not None  # its blocks are still being written
-        early = None if first is None or layered else self.sender.launch_armed(staged, first)
+        # (a registration of another prompt is refused by _attach: nothing launched for it)
+        hold = layered or not self._same_prompt(staged.prompt, first)
+        early = None if first is None or hold else self.sender.launch_armed(staged, first)
         key = Key(staged.request_id, staged.transfer_id)
         group = self.pending_regs.pop(key)  # ``first`` if there was one
         if group is None:
@@ -84,10 +99,10 @@ class Producer:
                 tid, rid = key.transfer_id, key.request_id
                 log.warning("transfer id %s staged twice; ignoring %s", tid, rid)
                 return
-        elif first is None and not layered:  # matched by request id: a few lookups later
-            early = self.sender.launch_armed(staged, group)
+        elif first is None and not layered and self._same_prompt(staged.prompt, group):
+            early = self.sender.launch_armed(staged, group)  # matched by request id
         preq = PRequest(staged.request_id, staged.block_ids, staged.transfer_id)
-        preq.after, preq.feed = staged.after, staged.feed
+        preq.after, preq.feed, preq.prompt = staged.after, staged.feed, staged.prompt
         self.by_prid[preq.prid] = preq
         log.debug("transfer %s: staged (P request %s)", preq.tid or preq.prid, preq.prid)
         for pend in group.regs.values() if group else ():
@@ -310,7 +325,14 @@ class Producer:
         preq.legs[reg.decode_tp_rank] = leg
         self.by_dkey[(pend.sender, reg.request_id)] = leg
         transition(leg, State.MATCHED, leg.name, f"with D request {reg.request_id}")
-        if self._feeds(reg):
+        why = _prompt_mismatch(preq.prompt, reg)
+        if why:  # D computed another prompt: its decode over our KV would be wrong
+            self.s.stats["prompt_mismatch"] += 1
+            log.warning("push %s refused: %s", leg.name, why)
+            transition(leg, State.FAILED, leg.name, why)
+            self._send_to(reg, self._fail_msg(reg, why, wire.CAUSE_PROMPT_MISMATCH))
+            self._finish(leg)
+        elif self._feeds(reg):
             self.sender.push(leg)
         else:  # another P rank holds what this D rank needs
             transition(leg, State.DONE, leg.name, "nothing of this rank for that D rank")
@@ -333,13 +355,23 @@ class Producer:
         if t.reg is not None:
             self._send_to(t.reg, self._fail_msg(t.reg, reason))
 
-    def _fail_msg(self, reg: wire.PushReg, reason: str) -> wire.PushFail:
+    def _fail_msg(
+        self, reg: wire.PushReg, reason: str, cause: str | msgspec.UnsetType = msgspec.UNSET
+    ) -> wire.PushFail:
         return wire.PushFail(
             request_id=reg.request_id,
             reason=reason,
             transfer_id=reg.transfer_id,
             tp_rank=self.s.config.tp_rank,
+            cause=cause,
         )
+
+    @staticmethod
+    def _same_prompt(prompt: wire.PromptPrint | None, group: PendingGroup | None) -> bool:
+        """No registration of ``group`` names a prompt other than ``prompt``."""
+        if prompt is None or group is None:
+            return True
+        return not any(_prompt_mismatch(prompt, p.reg) for p in group.regs.values())
 
     def _send_to(self, reg: wire.PushReg, msg: wire.Message) -> None:
         """Notify the D of ``reg``, after its handshake if that is still running."""

@@ -103,6 +103,7 @@ class PRequest:
     expected: int | None = None  # D's TP size, known from the first registration
     after: Any = None  # StagedBlocks.after until waited for (None: the bytes are final)
     feed: LayerFeed | None = None  # pushed layer by layer (StagedBlocks.feed)
+    prompt: wire.PromptPrint | None = None  # P's prompt (StagedBlocks.prompt)
     legs: dict[int, PushTransfer] = field(default_factory=dict)
     resolved: int = 0
     ended: bool = False  # evicted: no more legs will be started
@@ -204,6 +205,7 @@ class RecvTransfer:
     sources: list[str] = field(default_factory=list)  # the P ranks that write here
     done_from: set[str] = field(default_factory=set)  # sources with nothing in flight
     fail_reason: str = ""  # failing: waiting for the other sources before reporting it
+    fail_cause: str = ""  # the failing PUSH_FAIL's cause (wire.CAUSE_*), if it named one
     aborted: bool = False
     sent_at: float = 0.0  # when PUSH_REG went to every P rank (monotonic)
     stats: Counter[str] | None = field(default=None, repr=False)  # counts illegal moves

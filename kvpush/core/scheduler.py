@@ -18,6 +18,7 @@ from typing import Any
 
 from kvpush.core.errors import ConfigError
 from kvpush.core.types import RecvRegistration, StagedBlocks, StepMeta, WorkerOutput
+from kvpush.core.wire import PromptPrint
 
 log = logging.getLogger(__name__)
 
@@ -72,10 +73,12 @@ class PushScheduler:
         transfer_id: str | None = None,
         now: float | None = None,
         after: Any = None,
+        prompt: PromptPrint | None = None,
     ) -> bool:
         """A prefill finished: hold its blocks for the push. Returns True (free later).
 
-        ``after``: device work the blocks' bytes are final after (``StagedBlocks.after``).
+        ``after``: device work the blocks' bytes are final after (``StagedBlocks.after``);
+        ``prompt``: the prompt P computed, for the producer to compare with D's.
         A request handed over early (``hand_over``) is only confirmed: the worker may now
         report it sent; its blocks stay held, whatever the request ended as."""
         held = self._p.get(request_id)
@@ -87,7 +90,8 @@ class PushScheduler:
             log.warning("request %s finished twice; ignoring", request_id)
             return True
         self._hold(request_id, block_ids, now, early=False)
-        self._out.finished.append(StagedBlocks(request_id, block_ids, transfer_id, after))
+        staged = StagedBlocks(request_id, block_ids, transfer_id, after, prompt=prompt)
+        self._out.finished.append(staged)
         return True
 
     def _hold(
@@ -105,6 +109,7 @@ class PushScheduler:
         transfer_id: str | None = None,
         now: float | None = None,
         layered: bool = False,
+        prompt: PromptPrint | None = None,
     ) -> bool:
         """A prefill ends in the step being scheduled: hold its blocks and let the worker
         push them once the step's writes are queued (``StepMeta.early``).
@@ -121,7 +126,7 @@ class PushScheduler:
             return False
         self._hold(request_id, block_ids, now, early=True)
         if not layered:
-            self._out.early.append(StagedBlocks(request_id, block_ids, transfer_id))
+            self._out.early.append(StagedBlocks(request_id, block_ids, transfer_id, prompt=prompt))
         return True
 
     def handed_over(self, request_id: str) -> bool:

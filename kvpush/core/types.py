@@ -13,6 +13,7 @@ from kvpush.core.errors import ConfigError
 from kvpush.core.lane import MAX_SLOTS
 from kvpush.core.layers import LayerFeed
 from kvpush.core.secret import Secret, as_secret
+from kvpush.core.wire import PromptPrint
 
 log = logging.getLogger("kvpush.transfer")
 
@@ -126,6 +127,7 @@ class RecvRegistration:
     remote_tp_size: int = 1
     transfer_id: str | None = None
     remote_pp_size: int = 1
+    prompt: PromptPrint | None = None  # D's prompt, sent for P to compare (wire.fingerprint)
 
 
 @dataclass
@@ -143,6 +145,7 @@ class StagedBlocks:
     # Handed over before its forward: the layers written so far (core/layers.py); the
     # WRITE route posts them as they come (the only route that takes such a request).
     feed: LayerFeed | None = None
+    prompt: PromptPrint | None = None  # P's prompt (wire.fingerprint); None: not checked
 
 
 @dataclass
@@ -162,6 +165,8 @@ class LayerChunk:
     # A block the step leaves part-filled goes with the next chunk, whole: written twice,
     # the earlier WRITE (not ordered with the later one) could land last with stale bytes.
     upto: list[int] = field(default_factory=list)
+    # P's prompt (StagedBlocks.prompt): which prompt, not what the step writes
+    prompt: PromptPrint | None = field(default=None, compare=False)
 
 
 @dataclass

@@ -19,10 +19,13 @@ callers log and drop the message.
 
 from __future__ import annotations
 
+import hashlib
 import re
+from collections.abc import Sequence
 from typing import Annotated
 
 import msgspec
+import numpy as np
 
 from kvpush.core.errors import WireError
 from kvpush.core.lane import MAX_SLOTS
@@ -39,6 +42,11 @@ MAX_GROUPS = 64
 MAX_HB_ENTRIES = 65536
 MAX_TP = 1024
 MAX_BLOCK_ID = (1 << 31) - 1
+MAX_PROMPT_TOKENS = (1 << 31) - 1
+DIGEST_BYTES = 16  # blake2b-128 of the prompt's token ids
+
+# PushFail.cause values kvpush sends (a receiver treats an unknown one as no cause).
+CAUSE_PROMPT_MISMATCH = "prompt_mismatch"
 
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=512)]
 Host = Annotated[str, msgspec.Meta(min_length=1, max_length=255)]
@@ -48,6 +56,7 @@ TpRank = Annotated[int, msgspec.Meta(ge=0, lt=MAX_TP)]
 BlockId = Annotated[int, msgspec.Meta(ge=0, le=MAX_BLOCK_ID)]
 BlockList = Annotated[list[BlockId], msgspec.Meta(max_length=MAX_BLOCKS_PER_GROUP)]
 Reason = Annotated[str, msgspec.Meta(max_length=1024)]
+Cause = Annotated[str, msgspec.Meta(min_length=1, max_length=64, pattern="^[a-z][a-z0-9_]*$")]
 
 
 class LaneSlot(msgspec.Struct, array_like=True, frozen=True):
@@ -55,6 +64,24 @@ class LaneSlot(msgspec.Struct, array_like=True, frozen=True):
 
     slot: Annotated[int, msgspec.Meta(ge=0, lt=MAX_SLOTS)]
     gen: Annotated[int, msgspec.Meta(ge=1, le=(1 << 63) - 1)]
+
+
+class PromptPrint(msgspec.Struct, array_like=True, frozen=True, forbid_unknown_fields=True):
+    """A prompt as one side computed it: how many tokens, and a digest of their ids
+    (exactly these two: a longer array is refused)."""
+
+    tokens: Annotated[int, msgspec.Meta(ge=0, le=MAX_PROMPT_TOKENS)]
+    digest: Annotated[bytes, msgspec.Meta(min_length=DIGEST_BYTES, max_length=DIGEST_BYTES)]
+
+
+def fingerprint(token_ids: Sequence[int]) -> PromptPrint:
+    """The print of a prompt's token ids: blake2b over their little-endian int64 bytes,
+    linear in the prompt (P and D each compute it from their own engine's request)."""
+    ids = np.asarray(token_ids, dtype="<i8")
+    if ids.ndim != 1:
+        raise ValueError(f"token ids must be flat, got shape {ids.shape}")
+    digest = hashlib.blake2b(ids.tobytes(), digest_size=DIGEST_BYTES).digest()
+    return PromptPrint(len(ids), digest)
 
 
 class PushReg(msgspec.Struct, kw_only=True):
@@ -75,6 +102,9 @@ class PushReg(msgspec.Struct, kw_only=True):
     # Optional completion-lane word for a same-host copy; UNSET is never encoded, so a
     # PUSH_REG without one is the seed's.
     lane: LaneSlot | msgspec.UnsetType = msgspec.UNSET
+    # D's prompt (``fingerprint``); UNSET (never encoded): D had no token ids, P skips
+    # the check, as for a seed decoder.
+    prompt: PromptPrint | msgspec.UnsetType = msgspec.UNSET
 
 
 class PushFail(msgspec.Struct, kw_only=True):
@@ -84,6 +114,7 @@ class PushFail(msgspec.Struct, kw_only=True):
     reason: Reason
     transfer_id: Name | None = None
     tp_rank: TpRank = 0
+    cause: Cause | msgspec.UnsetType = msgspec.UNSET  # e.g. CAUSE_PROMPT_MISMATCH
 
 
 class PushCancel(msgspec.Struct, kw_only=True):

@@ -124,6 +124,9 @@ class Head:
     events: bytes  # the role event (chat) and the token's event, as a plain server's
     texts: dict[str, str]  # the token's strings: delta fields (chat) or {"text": ...}
     ids: tuple[int, ...]  # the token ids its event carried (``return_token_ids``)
+    # The event carried the prompt's token ids (a completion's ``return_token_ids``):
+    # vLLM sends them once, with a choice's first event, so D's copy goes.
+    prompt_ids: bool = False
 
 
 def from_answer(data: bytes, chat: bool) -> Head | None:
@@ -157,7 +160,9 @@ def from_answer(data: bytes, chat: bool) -> Head | None:
     obj.pop("system_fingerprint", None)  # only on a finished chunk
     out.append(_event(obj))
     ids = choice.get("token_ids")
-    return Head(b"".join(out), texts, tuple(ids) if isinstance(ids, list) else ())
+    token_ids = tuple(ids) if isinstance(ids, list) else ()
+    prompt_ids = isinstance(choice.get("prompt_token_ids"), list)
+    return Head(b"".join(out), texts, token_ids, prompt_ids)
 
 
 class Trim:
@@ -210,6 +215,8 @@ class Trim:
             if tuple(ids[: len(self.head.ids)]) != self.head.ids:
                 self.mismatch = True  # the same text from another token (or none yet)
             del ids[: len(self.head.ids)]
+        if self.head.prompt_ids and choice.get("prompt_token_ids") is not None:
+            choice["prompt_token_ids"] = None  # as a plain server's later events have it
         left = any(fields.get(k) for k in self.head.texts) or bool(ids)
         if not left and choice.get("finish_reason") is None:
             return b""

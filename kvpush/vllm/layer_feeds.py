@@ -41,14 +41,20 @@ class LayerFeeds:
         for c in chunks:
             if self.whole:
                 if c.last and not c.failed:
-                    whole.append(StagedBlocks(c.request_id, c.block_ids, c.transfer_id))
+                    whole.append(
+                        StagedBlocks(c.request_id, c.block_ids, c.transfer_id, prompt=c.prompt)
+                    )
                 continue
             feed = self.feeds.get(c.request_id)
             if feed is None:
                 if c.failed:
                     continue  # never handed over
                 feed = self.feeds[c.request_id] = LayerFeed(list(c.total))
-                staged.append(StagedBlocks(c.request_id, c.block_ids, c.transfer_id, feed=feed))
+                staged.append(
+                    StagedBlocks(
+                        c.request_id, c.block_ids, c.transfer_id, feed=feed, prompt=c.prompt
+                    )
+                )
             if c.failed:
                 del self.feeds[c.request_id]
                 feed.close(c.failed)

@@ -17,6 +17,7 @@ from typing import Any
 
 from kvpush.core.scheduler import PushScheduler
 from kvpush.core.types import LayerChunk
+from kvpush.core.wire import PromptPrint
 
 
 @dataclass
@@ -24,6 +25,7 @@ class _Open:
     tid: str | None
     blocks: list[int]
     prompt: int  # tokens
+    prompt_print: PromptPrint | None = None  # its token ids' print (StagedBlocks.prompt)
 
 
 def prompt_tokens(request: Any) -> int:
@@ -53,11 +55,18 @@ class LayerPlan:
             and new.num_computed_tokens < prompt
         )
 
-    def start(self, new: Any, count: int, tid: str | None, request: Any) -> LayerChunk:
-        """Hand the request over and describe its first step."""
+    def start(
+        self,
+        new: Any,
+        count: int,
+        tid: str | None,
+        request: Any,
+        prompt: PromptPrint | None = None,
+    ) -> LayerChunk:
+        """Hand the request over and describe its first step (``prompt``: its print)."""
         blocks = list(new.block_ids[0])
         self.sched.hand_over(new.req_id, [blocks], tid, layered=True)
-        self._open[new.req_id] = _Open(tid, blocks, prompt_tokens(request))
+        self._open[new.req_id] = _Open(tid, blocks, prompt_tokens(request), prompt)
         return self._chunk(new.req_id, int(new.num_computed_tokens), count)
 
     def follow(self, scheduler_output: Any) -> list[LayerChunk]:
@@ -99,6 +108,7 @@ class LayerPlan:
             [-(-req.prompt // self.block_size)],
             last,
             upto=[] if last else [(computed + count) // self.block_size],
+            prompt=req.prompt_print,
         )
 
     def _fail(self, rid: str, why: str) -> LayerChunk:

@@ -15,6 +15,7 @@ from kvpush.core import trace
 from kvpush.core.ids import ANY_ENGINE, base_request_id
 from kvpush.core.scheduler import PushScheduler, SchedulerConfig
 from kvpush.core.types import RecvRegistration, StepMeta, WorkerOutput
+from kvpush.core.wire import PromptPrint, fingerprint
 from kvpush.vllm.config import ConnectorOptions
 from kvpush.vllm.layer_plan import LayerPlan, prompt_tokens
 
@@ -79,8 +80,28 @@ def named_key(request_id: str, remote_request_id: Any) -> str | None:
     return f"{sample}_{name}" if sample else name
 
 
-def registration(rid: str, params: dict[str, Any], groups: list[list[int]]) -> RecvRegistration:
-    """D's registration of ``rid`` with the P named by its ``kv_transfer_params``."""
+def prompt_print(request: Any) -> PromptPrint | None:
+    """The prompt this engine computes for ``request`` (``wire.fingerprint`` of its token
+    ids): P and D each send theirs and P refuses to push when they differ. None when the
+    request has no token ids (prompt embeddings): not checked."""
+    ids = getattr(request, "prompt_token_ids", None)
+    if ids is None:
+        return None
+    try:
+        return fingerprint(ids)
+    except (TypeError, ValueError, OverflowError) as e:
+        log.warning("request %s: no prompt print: %s", getattr(request, "request_id", "?"), e)
+        return None
+
+
+def registration(
+    rid: str,
+    params: dict[str, Any],
+    groups: list[list[int]],
+    prompt: PromptPrint | None = None,
+) -> RecvRegistration:
+    """D's registration of ``rid`` with the P named by its ``kv_transfer_params``;
+    ``prompt``: D's prompt, for P to compare with its own (``prompt_print``)."""
     return RecvRegistration(
         request_id=rid,
         block_ids=groups,
@@ -93,6 +114,7 @@ def registration(rid: str, params: dict[str, Any], groups: list[list[int]]) -> R
         transfer_id=transfer_key(rid, params.get("transfer_id"))
         or named_key(rid, params.get("remote_request_id")),
         remote_pp_size=int(params.get("remote_pp_size", params.get("pp_size", 1))),
+        prompt=prompt,
     )
 
 
@@ -169,7 +191,7 @@ class SchedulerSide:
         need = -(-num_external_tokens // block_size)
         groups = [list(g[-need:]) if need else [] for g in block_groups]
         try:
-            reg = registration(rid, params, groups)
+            reg = registration(rid, params, groups, prompt_print(request))
         except (KeyError, TypeError, ValueError) as e:
             self.sched.reject(rid, f"kv_transfer_params lack the prefiller's side channel: {e!r}")
             return
@@ -194,10 +216,12 @@ class SchedulerSide:
                 if request is None:
                     continue
                 tid = p_key(new.req_id, _params(request))
+                prompt = prompt_print(request)
                 if self.layers.takes(request, new):
-                    chunks.append(self.layers.start(new, counts.get(new.req_id, 0), tid, request))
+                    count = counts.get(new.req_id, 0)
+                    chunks.append(self.layers.start(new, count, tid, request, prompt))
                 elif self._ends_here(request, new, counts):
-                    self.sched.hand_over(new.req_id, [list(new.block_ids[0])], tid)
+                    self.sched.hand_over(new.req_id, [list(new.block_ids[0])], tid, prompt=prompt)
                 else:
                     continue
                 if trace.ON:
@@ -261,7 +285,8 @@ class SchedulerSide:
         if not early and (not block_ids or not done):
             return False, None
         tid = p_key(rid, params)
-        held = self.sched.request_finished(rid, [list(block_ids)], tid)
+        prompt = None if early else prompt_print(request)  # (an early one has sent it)
+        held = self.sched.request_finished(rid, [list(block_ids)], tid, prompt=prompt)
         if not done:
             return held, None
         return held, {

@@ -45,6 +45,8 @@ COUNTERS: dict[str, tuple[str, ...]] = {
     "push_failures:lease_expired": ("lease_expired",),
     "push_failures:receive_failed": ("recv_failed",),
     "push_failures:watchdog": ("recv_expired",),
+    # D computed another prompt than P (wire.PromptPrint): P refused it, D's receive failed.
+    "push_failures:prompt_mismatch": ("prompt_mismatch", "recv_prompt_mismatch"),
     # Watchdog failures whose blocks D kept for late_write_hold_s (core/late_writes.py),
     # and completions that came for them in that time (a late WRITE that did land).
     "late_write_holds": ("recv_held",),

@@ -18,6 +18,7 @@ from kvpush.core.layers import LayerFeed, Piece
 from kvpush.core.scheduler import PushScheduler, SchedulerConfig
 from kvpush.core.transport import Transport
 from kvpush.core.types import RecvRegistration, StagedBlocks, WorkerConfig
+from kvpush.core.wire import PromptPrint
 from kvpush.core.worker import PushWorker
 from kvpush_bench.sim.faults import FaultPlan
 from kvpush_bench.sim.ranks import RankMemory, RankShape
@@ -85,19 +86,26 @@ class SimEngine:
     def _release(self, blocks: list[int]) -> None:
         self.free.extend(blocks)
 
-    def prefill(self, rid: str, tid: str | None, n_blocks: int, early: bool = False) -> bool:
+    def prefill(
+        self,
+        rid: str,
+        tid: str | None,
+        n_blocks: int,
+        early: bool = False,
+        prompt: PromptPrint | None = None,
+    ) -> bool:
         """P: 'compute' the KV of a request and stage it for the push (``early``: hand it
         over in the next step, as vLLM's connector does at the forward; ``finish`` then
-        ends the request)."""
+        ends the request; ``prompt``: the print of the prompt P computed)."""
         blocks = self._alloc(n_blocks)
         if blocks is None:
             return False
         self.mem.fill(content_key(rid, tid), blocks)
         self.p_reqs[rid] = blocks
         if early:
-            self.sched.hand_over(rid, [blocks], tid)
+            self.sched.hand_over(rid, [blocks], tid, prompt=prompt)
         else:
-            self.sched.request_finished(rid, [blocks], tid)
+            self.sched.request_finished(rid, [blocks], tid, prompt=prompt)
         self.events.append(("staged", rid, {"t": time.monotonic()}))
         return True
 
@@ -151,8 +159,10 @@ class SimEngine:
         p_port: int,
         p_tp: int = 1,
         p_pp: int = 1,
+        prompt: PromptPrint | None = None,
     ) -> bool:
-        """D: allocate blocks for a request and register them for P's push."""
+        """D: allocate blocks for a request and register them for P's push (``prompt``:
+        the print of the prompt D computed)."""
         blocks = self._alloc(n_blocks)
         if blocks is None:
             return False
@@ -168,6 +178,7 @@ class SimEngine:
                 remote_tp_size=p_tp,
                 transfer_id=tid,
                 remote_pp_size=p_pp,
+                prompt=prompt,
             )
         )
         self.events.append(("registered", rid, {"t": time.monotonic()}))

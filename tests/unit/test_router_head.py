@@ -165,6 +165,26 @@ def test_a_joined_event_loses_only_the_heads_text_and_ids() -> None:
     assert not trim.mismatch
 
 
+def test_the_prompts_token_ids_come_once_with_ps_event() -> None:
+    """vLLM sends a completion's prompt token ids (``return_token_ids``) with a choice's
+    first event only: P's event has them, D's first event has them again (seen in the
+    burst e2e test as a prompt twice as long)."""
+
+    def first(text: str, finish: str | None, ids: list[int]) -> bytes:
+        event = json.loads(text_event(text, finish, ids)[5:])
+        event["choices"][0]["prompt_token_ids"] = [1, 2, 3]
+        return ev(event)
+
+    h = head.from_answer(first(" the", "length", [5]) + DONE, chat=False)
+    assert h is not None and h.prompt_ids
+    trim = head.Trim(h, chat=False)
+    out = trim.feed(first(" the cat", None, [5, 9]) + text_event(".", "length", [2]))
+    later = json.loads(text_event(" cat", None, [9])[5:])
+    later["choices"][0]["prompt_token_ids"] = None
+    assert out == ev(later) + text_event(".", "length", [2])
+    assert not trim.mismatch
+
+
 def test_a_differing_first_token_from_d_is_dropped_and_counted() -> None:
     h = head.from_answer(text_event(" the", "length") + DONE, chat=False)
     assert h is not None
