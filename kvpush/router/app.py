@@ -136,6 +136,9 @@ async def _proxy(request: web.Request, path: str, chat: bool) -> web.StreamRespo
     raw = await boundary.read_body(request)
     body = boundary.parse(request, raw)
     if isinstance(body, dict):
+        if (why := bodies.bad_params(body)) is not None:
+            request.app[METRICS].refused("bad_kv_transfer_params")
+            raise boundary.Refused(boundary.error(400, why))
         body = bodies.untrusted(body)
     app = request.app
     cfg, metrics, pool = app[CONFIG], app[METRICS], app[POOL]
@@ -156,7 +159,7 @@ async def _proxy(request: web.Request, path: str, chat: bool) -> web.StreamRespo
         ctype = request.headers.get("Content-Type")
         if body is boundary.NOT_JSON:
             alone = "not_json"
-        elif ctype is not None and not _json_type(ctype):
+        elif ctype is None or not _json_type(ctype):
             alone = "content_type"  # vLLM refuses it: D answers as a plain server does
         elif isinstance(body, dict):
             limit = await info.known_max_model_len(app, headers.get("Authorization"))
@@ -164,7 +167,7 @@ async def _proxy(request: web.Request, path: str, chat: bool) -> web.StreamRespo
         if alone is not None:
             metrics.decoder_alone(alone)
             log.debug("transfer %s: to the decoder alone (%s)", tid, alone)
-            headers["Content-Type"] = ctype or "application/json"
+            headers["Content-Type"] = ctype if ctype is not None else ""  # (vLLM: as none)
             d = pool.choose("decode")
             if d is None:
                 return replies.none_available(app, "decode", tid)

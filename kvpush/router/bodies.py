@@ -50,6 +50,16 @@ KV_PARAMS = "kv_transfer_params"
 _XARGS = "vllm_xargs"
 
 
+def bad_params(body: dict[str, Any]) -> str | None:
+    """What vLLM says of a client's ``kv_transfer_params`` that is neither an object nor
+    null (it refuses the request with 400), else None: dropping such a value would turn
+    a request a plain server refuses into one the router serves."""
+    value = body.get(KV_PARAMS)
+    if value is None or isinstance(value, dict):
+        return None
+    return f"{KV_PARAMS}: Input should be a valid dictionary"
+
+
 def untrusted(body: dict[str, Any]) -> dict[str, Any]:
     """The client's body without any ``kv_transfer_params`` of its own: only the router
     sets them (each leg's, below). A client's would be the connector's orders: connect

@@ -99,7 +99,7 @@ class RouterMetrics:
         self._refused = Counter(
             _PREFIX + "refused_total",
             "Client requests the router answered itself with a 4xx or 503, no upstream "
-            "asked (busy, header, too_large, body_timeout, too_deep).",
+            "asked (busy, header, too_large, body_timeout, too_deep, bad_kv_transfer_params).",
             ["reason"],
             registry=r,
         )

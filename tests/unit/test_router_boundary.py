@@ -49,6 +49,7 @@ class Recorder:
     def __init__(self, name: str, fail_first: list[int] | None = None) -> None:
         self.name = name
         self.bodies: list[dict[str, Any]] = []
+        self.content_types: list[str] = []
         self.health_calls = 0
         # Shared by the instances of a test: the first POSTs among them fail (HTTP 500).
         self.fail_first = fail_first
@@ -66,6 +67,7 @@ class Recorder:
 
     async def post(self, request: web.Request) -> web.Response:
         self.bodies.append(await request.json())
+        self.content_types.append(request.headers.get("Content-Type", "(none)"))
         if self.fail_first is not None and self.fail_first[0] > 0:
             self.fail_first[0] -= 1
             return web.json_response({"error": "down"}, status=500)
@@ -413,16 +415,39 @@ def test_the_clients_authorization_goes_to_ds_models() -> None:
     asyncio.run(main())
 
 
-def test_a_body_not_sent_as_json_goes_to_the_decoder_alone() -> None:
-    """vLLM reads only a JSON content type as JSON: D refuses the rest as a plain server."""
+@pytest.mark.parametrize("ctype", ["text/plain", "", None])
+def test_a_body_not_sent_as_json_goes_to_the_decoder_alone(ctype: str | None) -> None:
+    """vLLM reads only a JSON content type as JSON (none is no JSON either): D refuses
+    the rest as a plain server does; the router does not read it as JSON for P."""
 
     async def main() -> None:
-        async with routed() as (url, cl, p, d):
+        async with routed() as (url, _, p, d):
             data = json.dumps(hostile(completion_body())).encode()
-            headers = {"Content-Type": "text/plain"}
-            async with cl.post(url + "/v1/completions", data=data, headers=headers) as resp:
-                assert resp.status == 200
+            headers = "" if ctype is None else f"Content-Type: {ctype}\r\n"
+            head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+            head += headers.encode() + b"Content-Length: %d\r\n\r\n" % len(data)
+            got = await raw_request(url, head + data)
+            assert got.startswith(b"HTTP/1.1 200"), got[:300]
         assert p.bodies == [] and len(d.bodies) == 1
         assert_routers_own(d.bodies[0], None)
+        assert d.content_types == [ctype or ""]
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("value", ["x", [1, 2], 3, True])
+def test_kv_transfer_params_that_are_no_object_are_refused_as_vllm_refuses_them(
+    value: Any,
+) -> None:
+    async def main() -> None:
+        async with routed() as (url, cl, p, d):
+            body = {**completion_body(), "kv_transfer_params": value}
+            async with cl.post(url + "/v1/completions", json=body) as resp:
+                assert resp.status == 400
+                assert "valid dictionary" in (await resp.json())["error"]["message"]
+            body["kv_transfer_params"] = None  # null is no params: served
+            async with cl.post(url + "/v1/completions", json=body) as resp:
+                assert resp.status == 200
+        assert p.bodies[0]["kv_transfer_params"]["do_remote_decode"] is True
 
     asyncio.run(main())
