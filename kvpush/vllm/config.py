@@ -13,6 +13,10 @@ from kvpush.core.secret import Secret
 ENV_HOST = "KVPUSH_SIDE_CHANNEL_HOST"
 ENV_PORT = "KVPUSH_SIDE_CHANNEL_PORT"
 ENV_SECRET = "KVPUSH_SHARED_SECRET"  # from the environment only: configs end up in logs
+# vLLM's NIXL connectors' names for the same, read when kvpush's are not set: a server
+# moved from NixlPushConnector keeps its environment (docs/migration.md).
+ENV_NIXL_HOST = "VLLM_NIXL_SIDE_CHANNEL_HOST"
+ENV_NIXL_PORT = "VLLM_NIXL_SIDE_CHANNEL_PORT"
 
 
 @dataclass(frozen=True)
@@ -63,10 +67,13 @@ class ConnectorOptions:
         """Validate ``extra`` (unknown keys and wrong types are errors) over env defaults."""
         env = dict(os.environ) if env is None else env
         values: dict[str, Any] = {}
-        if ENV_HOST in env:
-            values["side_channel_host"] = env[ENV_HOST]
-        if ENV_PORT in env:
-            values["side_channel_port"] = env[ENV_PORT]
+        for key, names in (
+            ("side_channel_host", (ENV_HOST, ENV_NIXL_HOST)),
+            ("side_channel_port", (ENV_PORT, ENV_NIXL_PORT)),
+        ):
+            found = [env[name] for name in names if name in env]
+            if found:
+                values[key] = found[0]
         known = {f.name: f for f in fields(cls) if f.name != "shared_secret"}
         for key, value in (extra or {}).items():
             if key not in known:

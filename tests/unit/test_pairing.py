@@ -156,3 +156,12 @@ def test_a_registration_naming_another_engine_fails_at_once(make: Callable[..., 
     assert pair.p.worker.stats["reg_unpairable"] == 1
     assert len(pair.p.worker.producer.pending_regs) == 0
     pair.settle()
+
+
+def test_the_in_tree_side_channel_environment_is_read_when_kvpushs_is_not_set() -> None:
+    nixl = {"VLLM_NIXL_SIDE_CHANNEL_HOST": "10.0.0.5", "VLLM_NIXL_SIDE_CHANNEL_PORT": "5901"}
+    opts = ConnectorOptions.parse({}, env=nixl)
+    assert (opts.side_channel_host, opts.side_channel_port) == ("10.0.0.5", 5901)
+    mine = {**nixl, "KVPUSH_SIDE_CHANNEL_PORT": "5700"}
+    assert ConnectorOptions.parse({}, env=mine).side_channel_port == 5700  # kvpush's first
+    assert ConnectorOptions.parse({"side_channel_port": 5800}, env=mine).side_channel_port == 5800
