@@ -75,7 +75,14 @@ class Consumer:
             return
         t = self.recvs.get(r.request_id)
         if t is None or t.reg is not r or t.state is not State.REGISTERED:
-            return  # cancelled, expired or already sent while the handshake ran
+            # Cancelled, expired or already sent while the handshake ran (or failed by
+            # another rank's). Still finished, so the table keeps no ended handshake (a
+            # failed one would otherwise fail every later registration with that rank).
+            try:
+                self.s.peers.load(r.remote_host, replay[0], replay[1])
+            except (HandshakeError, TransportError):
+                pass
+            return
         try:
             self.s.peers.load(r.remote_host, replay[0], replay[1])
         except (HandshakeError, TransportError) as e:
@@ -95,6 +102,13 @@ class Consumer:
             validate_block_ids(self.s.layout, r.block_ids)
         except LayoutError as e:
             self._end(t, State.FAILED, "failed", f"bad local block ids: {e}")
+            return
+        ranks = r.remote_tp_size * r.remote_pp_size
+        if min(r.remote_tp_size, r.remote_pp_size) < 1 or ranks > wire.MAX_TP:
+            self._end(t, State.FAILED, "failed", f"{ranks} prefiller ranks (1 to {wire.MAX_TP})")
+            return
+        if not 0 < r.remote_port <= 65536 - ranks:
+            self._end(t, State.FAILED, "failed", f"prefiller port {r.remote_port} out of range")
             return
         self._try_send(t, recheck=True)
 
@@ -158,7 +172,8 @@ class Consumer:
     def _p_ranks(self, r: RecvRegistration) -> list[tuple[int, bool]]:
         """(side-channel port, writes to us) of each P rank; port = rank 0's + stage * tp + rank."""
         cfg = self.s.config
-        srcs = d_sources(cfg.tp_rank, cfg.tp_size, r.remote_tp_size, self.s.layout.attention)
+        # A set: membership per rank in O(1) (a list made this quadratic in the TP size).
+        srcs = set(d_sources(cfg.tp_rank, cfg.tp_size, r.remote_tp_size, self.s.layout.attention))
         return [
             (r.remote_port + stage * r.remote_tp_size + i, i in srcs)
             for stage in range(r.remote_pp_size)

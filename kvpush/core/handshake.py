@@ -29,6 +29,7 @@ import hashlib
 import hmac
 import logging
 import os
+import socket
 import threading
 import time
 from collections import OrderedDict
@@ -278,12 +279,15 @@ def fetch_agent_info(
     key = as_secret(secret)
     where = f"{host}:{port}"
     deadline = time.monotonic() + timeout_s
+    address = _resolve(host, port, where)
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     sock = ctx.socket(zmq.REQ)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_INFO_BYTES)
     try:
-        sock.connect(f"tcp://{where}")
+        if address.startswith("["):
+            sock.setsockopt(zmq.IPV6, 1)
+        sock.connect(f"tcp://{address}:{port}")
         hello = HandshakeRequest(
             protocol_version=PROTOCOL_VERSION, engine_id=engine_id, agent=agent, step="hello"
         )
@@ -322,6 +326,21 @@ def fetch_agent_info(
         theirs = info.protocol_version
         raise HandshakeError(f"{where} speaks protocol {theirs}, we {PROTOCOL_VERSION}")
     return info
+
+
+def _resolve(host: str, port: int, where: str) -> str:
+    """``host`` as a numeric address, resolved here (a handshake pool thread): ZMQ would
+    resolve a name on its I/O thread, which the side-channel server shares, so a name
+    whose lookup hangs would stall every handshake of this process."""
+    bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    try:
+        infos = socket.getaddrinfo(bare, port, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError) as e:
+        raise HandshakeError(f"cannot resolve {where}: {e}") from e
+    if not infos:
+        raise HandshakeError(f"cannot resolve {where}: no address")
+    ip = str(infos[0][4][0])
+    return f"[{ip}]" if ":" in ip else ip
 
 
 def _ask(

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvpush.core.copy_route import CopyRoute
+from kvpush.core.errors import HandshakeError
 from kvpush.core.handshake import AgentInfo, AgentSet
 from kvpush.core.layout import KVLayout
 from kvpush.core.peer_copy import PeerCopyHook
@@ -29,6 +30,10 @@ log = logging.getLogger(__name__)
 
 PeerKey = tuple[str, int]
 FAILED_KEPT = 1024  # failed agents remembered (PeerTable.failed)
+# A failed handshake answers everyone who asks for the same address this long (a flood of
+# registrations naming a dead address costs one handshake), then the next asker retries.
+RETRY_S = 1.0
+REFUSALS_KEPT = 1024  # addresses whose failure is remembered (PeerTable.refusals)
 
 
 @dataclass
@@ -79,7 +84,11 @@ class PeerTable:
         self.failed: OrderedDict[str, None] = OrderedDict()
         # With a secret: the agents that proved it to us, either way.
         self.authenticated = AgentSet()
+        # Under way, or ended and not yet loaded; at most one per address.
         self.handshakes: dict[PeerKey, Future[AgentInfo]] = {}
+        # Addresses whose handshake failed lately: (until when, the failed handshake).
+        self.refusals: OrderedDict[PeerKey, tuple[float, Future[AgentInfo]]] = OrderedDict()
+        self._per_host = max(1, config.handshake_workers // 2)
         self.write = WriteRoute(self)
         self.copy = CopyRoute(peer_copy, self, self.write) if peer_copy is not None else None
         self._executor = ThreadPoolExecutor(config.handshake_workers, "kvpush-handshake")
@@ -98,21 +107,15 @@ class PeerTable:
         peer = self.by_key.get(key)
         if peer is not None:
             return peer
-        fut = self.handshakes.get(key)
+        fut = self.handshakes.get(key) or self._refused(key)
         if fut is None:
-            cfg = self.config
-            fut = self._executor.submit(
-                self._fetch,
-                host,
-                port,
-                cfg.engine_id,
-                cfg.handshake_timeout_s,
-                # (layouts are checked per direction: pairs_to / check_from)
-                secret=cfg.shared_secret,
-                agent=self._agent,
-            )
-            self.handshakes[key] = fut
-            self.stats["handshakes"] += 1
+            full = self._full(host)
+            if full:  # costs the asker, at once; nothing is queued behind the busy ones
+                self.stats["handshake_refused_busy"] += 1
+                fut = Future()
+                fut.set_exception(HandshakeError(f"handshake with {host}:{port} not tried: {full}"))
+            else:
+                fut = self._submit(host, port)
 
         def done(f: Future[AgentInfo]) -> None:
             replay(f)
@@ -121,11 +124,52 @@ class PeerTable:
         fut.add_done_callback(done)
         return None
 
+    def _submit(self, host: str, port: int) -> Future[AgentInfo]:
+        """Start a handshake on the pool (on the ticking thread: nothing here waits)."""
+        cfg = self.config
+        fut = self._executor.submit(
+            self._fetch,
+            host,
+            port,
+            cfg.engine_id,
+            cfg.handshake_timeout_s,
+            # (layouts are checked per direction: pairs_to / check_from)
+            secret=cfg.shared_secret,
+            agent=self._agent,
+        )
+        self.handshakes[(host, port)] = fut
+        self.stats["handshakes"] += 1
+        return fut
+
+    def _refused(self, key: PeerKey) -> Future[AgentInfo] | None:
+        """The failed handshake with ``key`` while it still answers for it (RETRY_S)."""
+        got = self.refusals.get(key)
+        if got is None:
+            return None
+        if got[0] > time.monotonic():
+            return got[1]
+        del self.refusals[key]
+        return None
+
+    def _full(self, host: str) -> str:
+        """Why no new handshake can start now ("" when one can): every pool thread is
+        taken, or half of them wait on one host. Linear in the handshakes under way."""
+        running = [k for k, f in self.handshakes.items() if not f.done()]
+        if len(running) >= self.config.handshake_workers:
+            return f"{len(running)} handshakes under way (handshake_workers)"
+        if sum(k[0] == host for k in running) >= self._per_host:
+            return f"{self._per_host} handshakes with {host} under way"
+        return ""
+
     def load(self, host: str, port: int, fut: Future[AgentInfo]) -> Peer:
         """Finish a handshake: raises HandshakeError or TransportError."""
         key = (host, port)
         if self.handshakes.get(key) is fut:
             del self.handshakes[key]
+            if fut.exception() is not None:  # (done: load runs from its callback)
+                self.refusals[key] = (time.monotonic() + RETRY_S, fut)
+                while len(self.refusals) > REFUSALS_KEPT:
+                    self.refusals.popitem(last=False)
         peer = self.by_key.get(key)
         if peer is not None:
             return peer

@@ -243,7 +243,10 @@ class WorkerConfig:
     heartbeat_interval_s: float = 1.0
     handshake_timeout_s: float = 5.0
     registration_ttl_s: float = 60.0  # P drops a registration its prefill never matched
-    handshake_workers: int = 4
+    # Handshakes under way at once, each on its own pool thread so none waits behind one
+    # to a dead address; half of them at most to one host (core/peers.py). Beyond, a
+    # registration that needs another fails at once.
+    handshake_workers: int = 32
     # Words in D's completion lane (core/lane.py), made when the worker has a peer-copy
     # hook: same-host copies report their end there. 0: no lane (completions over NIXL).
     lane_slots: int = 1 << 16

@@ -18,6 +18,7 @@ from kvpush.core.types import RecvRegistration, StepMeta, WorkerOutput
 from kvpush.core.wire import PromptPrint, fingerprint
 from kvpush.vllm.config import ConnectorOptions
 from kvpush.vllm.layer_plan import LayerPlan, prompt_tokens
+from kvpush.vllm.params import check_recv_params
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +103,7 @@ def registration(
 ) -> RecvRegistration:
     """D's registration of ``rid`` with the P named by its ``kv_transfer_params``;
     ``prompt``: D's prompt, for P to compare with its own (``prompt_print``)."""
+    check_recv_params(params)  # untrusted: types, ranges, sizes (vllm/params.py)
     return RecvRegistration(
         request_id=rid,
         block_ids=groups,
@@ -193,7 +195,7 @@ class SchedulerSide:
         try:
             reg = registration(rid, params, groups, prompt_print(request))
         except (KeyError, TypeError, ValueError) as e:
-            self.sched.reject(rid, f"kv_transfer_params lack the prefiller's side channel: {e!r}")
+            self.sched.reject(rid, f"invalid kv_transfer_params: {e}")
             return
         self.sched.add_registration(reg)
         if trace.ON:
