@@ -1,5 +1,8 @@
 """What the router sends each leg: the client's body turned into a prefill or decode leg.
 
+Every leg starts from the client's body less its own ``kv_transfer_params`` (`untrusted`):
+only the router sets them.
+
 The decode leg is the client's request as sent, plus ``kv_transfer_params``: D validates,
 samples and answers exactly as one plain server would, with P's KV instead of its own
 prefill. The prefill leg keeps everything that shapes the prompt (prompt or messages and

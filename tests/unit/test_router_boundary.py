@@ -451,3 +451,19 @@ def test_kv_transfer_params_that_are_no_object_are_refused_as_vllm_refuses_them(
         assert p.bodies[0]["kv_transfer_params"]["do_remote_decode"] is True
 
     asyncio.run(main())
+
+
+def test_untrusted_leaves_the_clients_body_as_it_was() -> None:
+    from kvpush.router import bodies, boundary
+
+    body = hostile(completion_body())
+    clean = bodies.untrusted(body)
+    assert "kv_transfer_params" not in clean and clean["vllm_xargs"] == {"keep": 1}
+    assert body == hostile(completion_body())  # a copy: the original is untouched
+    plain = completion_body()
+    assert bodies.untrusted(plain) is plain  # nothing to drop: no copy
+    deep: Any = []
+    for _ in range(boundary.MAX_DEPTH - 1):
+        deep = [deep]
+    assert not boundary.too_deep({"a": 1, "b": deep[0]})
+    assert boundary.too_deep({"a": deep})
