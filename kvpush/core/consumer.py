@@ -107,7 +107,7 @@ class Consumer:
         if min(r.remote_tp_size, r.remote_pp_size) < 1 or ranks > wire.MAX_TP:
             self._end(t, State.FAILED, "failed", f"{ranks} prefiller ranks (1 to {wire.MAX_TP})")
             return
-        if not 0 < r.remote_port <= 65536 - ranks:
+        if not 0 <= r.remote_port <= 65536 - ranks:  # (the vLLM side refuses port 0 too)
             self._end(t, State.FAILED, "failed", f"prefiller port {r.remote_port} out of range")
             return
         self._try_send(t, recheck=True)
