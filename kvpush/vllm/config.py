@@ -41,6 +41,9 @@ class ConnectorOptions:
     # at least this many tokens (0: never); only without the peer-copy hook.
     layerwise_min_tokens: int = 0
     trusted_decoders: str = ""  # "host:port,host:port" of decoder side channels; empty: any
+    # D: the prefiller side channels (rank 0's "host:port") a request's kv_transfer_params
+    # may name; empty: any (then D handshakes with whatever address a request names).
+    trusted_prefillers: str = ""
     # Seconds D keeps the blocks of a receive its watchdog failed while P could still be
     # writing (kvpush/core/late_writes.py); "auto": the kernel's TCP give-up time.
     late_write_hold_s: str = "auto"
@@ -50,6 +53,11 @@ class ConnectorOptions:
     @property
     def trusted(self) -> frozenset[str] | None:
         names = [x.strip() for x in self.trusted_decoders.split(",") if x.strip()]
+        return frozenset(names) if names else None
+
+    @property
+    def trusted_p(self) -> frozenset[str] | None:
+        names = [x.strip() for x in self.trusted_prefillers.split(",") if x.strip()]
         return frozenset(names) if names else None
 
     @property
@@ -105,10 +113,14 @@ class ConnectorOptions:
         ):
             if not getattr(opts, name) > 0:
                 raise ConfigError(f"kvpush option {name} must be > 0")
-        for where in opts.trusted or ():
-            host, _, port = where.rpartition(":")
-            if not host or not port.isdigit():
-                raise ConfigError(f"trusted_decoders entry {where!r} is not host:port")
+        for name, entries in (
+            ("trusted_decoders", opts.trusted),
+            ("trusted_prefillers", opts.trusted_p),
+        ):
+            for where in entries or ():
+                host, _, port = where.rpartition(":")
+                if not host or not port.isdigit():
+                    raise ConfigError(f"{name} entry {where!r} is not host:port")
         if opts.peer_copy not in ("auto", "on", "off"):
             raise ConfigError("peer_copy must be 'auto', 'on' or 'off'")
         if opts.late_write_hold_s != "auto":

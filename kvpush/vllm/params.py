@@ -37,10 +37,11 @@ class BadParams(ValueError):
     """``kv_transfer_params`` that D must not act on; the message says which and why."""
 
 
-def check_recv_params(params: Any) -> None:
+def check_recv_params(params: Any, trusted: frozenset[str] | None = None) -> None:
     """Raise :class:`BadParams` unless ``params`` are a well-formed remote-prefill leg:
     ``remote_host`` and ``remote_port`` present, every known key of its type and range,
-    every other key a bounded scalar or a bounded flat list."""
+    every other key a bounded scalar or a bounded flat list; with ``trusted``
+    (``trusted_prefillers``), naming one of those side channels."""
     if not isinstance(params, dict):
         raise BadParams(f"kv_transfer_params must be an object, not {type(params).__name__}")
     if len(params) > MAX_KEYS:  # before looking at any of them
@@ -59,6 +60,9 @@ def check_recv_params(params: Any) -> None:
     last = params["remote_port"] + tp * pp - 1  # the side channel of P's last rank
     if last > 65535:
         raise BadParams(f"the prefiller's ranks would listen up to port {last} (> 65535)")
+    where = f"{params['remote_host']}:{params['remote_port']}"
+    if trusted is not None and where not in trusted:
+        raise BadParams(f"kv_transfer_params name {where}, not one of trusted_prefillers")
 
 
 def _size(params: dict[str, Any], name: str, alias: str) -> int:

@@ -100,10 +100,11 @@ def registration(
     params: dict[str, Any],
     groups: list[list[int]],
     prompt: PromptPrint | None = None,
+    trusted: frozenset[str] | None = None,
 ) -> RecvRegistration:
     """D's registration of ``rid`` with the P named by its ``kv_transfer_params``;
     ``prompt``: D's prompt, for P to compare with its own (``prompt_print``)."""
-    check_recv_params(params)  # untrusted: types, ranges, sizes (vllm/params.py)
+    check_recv_params(params, trusted)  # untrusted: types, ranges, sizes (vllm/params.py)
     return RecvRegistration(
         request_id=rid,
         block_ids=groups,
@@ -193,7 +194,7 @@ class SchedulerSide:
         need = -(-num_external_tokens // block_size)
         groups = [list(g[-need:]) if need else [] for g in block_groups]
         try:
-            reg = registration(rid, params, groups, prompt_print(request))
+            reg = registration(rid, params, groups, prompt_print(request), self.opts.trusted_p)
         except (KeyError, TypeError, ValueError) as e:
             self.sched.reject(rid, f"invalid kv_transfer_params: {e}")
             return
@@ -311,7 +312,7 @@ class SchedulerSide:
         no WRITE can come, and P would keep the prompt's blocks until its lease ran out."""
         params[_REGISTERED] = True  # once
         try:
-            self.sched.withdraw(registration(rid, params, []))
+            self.sched.withdraw(registration(rid, params, [], trusted=self.opts.trusted_p))
         except (KeyError, TypeError, ValueError):
             pass  # no side channel named: nothing to tell (P's lease frees what it holds)
 

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from kvpush.core import peers as peers_mod
-from kvpush.core.errors import HandshakeError
+from kvpush.core.errors import ConfigError, HandshakeError
 from kvpush.core.handshake import fetch_agent_info
 from kvpush.core.types import RecvRegistration
 from kvpush.vllm.config import ConnectorOptions
@@ -258,3 +258,21 @@ def test_a_failed_handshake_is_retried_once_its_waiters_are_gone(
     pair.p.prefill("p1", "t1", 2)
     pair.register("b", "t1", 2)
     pair.until(lambda: "recv" in pair.d_kinds("b"), timeout=5.0, what="b received")
+
+
+def test_trusted_prefillers_limit_where_d_may_be_sent() -> None:
+    opts = ConnectorOptions.parse({"trusted_prefillers": ["127.0.0.1:5700"]}, env={})
+    d = SchedulerSide("D", opts, False, True, 1)
+    listed = Req("cmpl-a-0-00000000", dict(GOOD))
+    other = Req("cmpl-b-0-00000000", {**GOOD, "remote_port": 5800})
+    for req in (listed, other):
+        d.update_state_after_alloc(req, ([1],), 16, block_size=16)
+    meta = d.sched.build_meta()
+    assert [r.request_id for r in meta.registrations] == [listed.request_id]
+    assert "not one of trusted_prefillers" in meta.rejected[other.request_id]
+    # Aborted before allocation: no withdrawal (a handshake) towards an unlisted address.
+    gone = Req("cmpl-c-0-00000000", {**GOOD, "remote_port": 5800})
+    assert d.request_finished(gone, []) == (False, None)
+    assert not d.sched.build_meta().withdrawn
+    with pytest.raises(ConfigError, match="trusted_prefillers entry"):
+        ConnectorOptions.parse({"trusted_prefillers": "no-port"}, env={})
