@@ -19,7 +19,10 @@ from kvpush.core.wire import MAX_TP
 
 MAX_KEYS = 64  # a leg carries about ten; more is not a leg from a router
 MAX_KEY_CHARS = 64
-MAX_NAME_CHARS = 512  # ids (wire.Name)
+MAX_NAME_CHARS = 512  # an engine id (wire.Name)
+# A transfer or request id: D's key adds ":<prompt>:<sample>" (transfer_key) and must stay
+# within wire.Name, or P would drop the registration as undecodable.
+MAX_ID_CHARS = 256
 MAX_HOST_CHARS = 255  # wire.Host
 MAX_OTHER_CHARS = 1024  # a string under a key kvpush does not read
 MAX_OTHER_ITEMS = 1 << 16  # items of a list under a key kvpush does not read (block ids)
@@ -29,7 +32,7 @@ _HOST = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?|\[[0-9A-Fa-f:.]+
 
 # The keys kvpush reads on D, and other connectors' keys it leaves alone but still bounds.
 _FLAGS = ("do_remote_prefill", "do_remote_decode")
-_NAMES = ("remote_engine_id", "transfer_id", "remote_request_id")
+_IDS = ("transfer_id", "remote_request_id")
 _SIZES = ("remote_tp_size", "tp_size", "remote_pp_size", "pp_size")
 
 
@@ -76,8 +79,10 @@ def _check_value(key: str, value: Any) -> None:
     if key in _FLAGS or key.startswith("_kvpush_"):  # (our own marks are flags too)
         if value is not None and not isinstance(value, bool):
             raise BadParams(f"kv_transfer_params {key} must be true or false, not {_show(value)}")
-    elif key in _NAMES:
+    elif key == "remote_engine_id":
         _string(key, value, MAX_NAME_CHARS, allow_none=True)
+    elif key in _IDS:
+        _string(key, value, MAX_ID_CHARS, allow_none=True)
     elif key == "remote_host":
         _string(key, value, MAX_HOST_CHARS, allow_none=False)
         if not _HOST.fullmatch(value):

@@ -18,7 +18,7 @@ from kvpush.core.types import RecvRegistration, StepMeta, WorkerOutput
 from kvpush.core.wire import PromptPrint, fingerprint
 from kvpush.vllm.config import ConnectorOptions
 from kvpush.vllm.layer_plan import LayerPlan, prompt_tokens
-from kvpush.vllm.params import check_recv_params
+from kvpush.vllm.params import MAX_ID_CHARS, check_recv_params
 
 log = logging.getLogger(__name__)
 
@@ -53,8 +53,8 @@ def transfer_key(request_id: str, transfer_id: Any) -> str | None:
     D see the same ids up to that suffix (the router sends the same ``X-Request-Id`` to
     both), so both derive the same key per sub-request; sub-request (0, 0) keeps the bare
     ``transfer_id``."""
-    if not transfer_id:
-        return None
+    if not isinstance(transfer_id, str) or not 0 < len(transfer_id) <= MAX_ID_CHARS:
+        return None  # (untrusted: on D, vllm/params.py refuses such a leg first)
     prompt, sample = sub_request(request_id)
     tid = str(transfer_id)
     return tid if prompt == sample == 0 else f"{tid}:{prompt}:{sample}"

@@ -18,7 +18,7 @@ from kvpush.core.handshake import fetch_agent_info
 from kvpush.core.types import RecvRegistration
 from kvpush.vllm.config import ConnectorOptions
 from kvpush.vllm.params import MAX_OTHER_ITEMS, BadParams, check_recv_params
-from kvpush.vllm.scheduler_side import SchedulerSide
+from kvpush.vllm.scheduler_side import SchedulerSide, p_key, transfer_key
 from tests.conftest import free_port
 from tests.unit.test_push_states import Pair
 
@@ -94,7 +94,8 @@ BAD: list[tuple[dict[str, Any], str]] = [
     ({"remote_port": None}, "lack the prefiller's side channel"),
     ({"remote_engine_id": {"x": 1}}, "remote_engine_id must be a string"),
     ({"transfer_id": 123}, "transfer_id must be a string"),
-    ({"transfer_id": "t" * 600}, "a string of 600 characters"),
+    ({"transfer_id": "t" * 300}, "a string of 300 characters"),
+    ({"remote_engine_id": "e" * 600}, "a string of 600 characters"),
     ({"remote_request_id": ["r"]}, "remote_request_id must be a string"),
     ({"do_remote_prefill": "yes"}, "do_remote_prefill must be true or false"),
     ({"something": {"a": {"b": 1}}}, "something: dict value too large or nested"),
@@ -276,3 +277,12 @@ def test_trusted_prefillers_limit_where_d_may_be_sent() -> None:
     assert not d.sched.build_meta().withdrawn
     with pytest.raises(ConfigError, match="trusted_prefillers entry"):
         ConnectorOptions.parse({"trusted_prefillers": "no-port"}, env={})
+
+
+def test_p_keys_only_by_a_transfer_id_d_could_send_back() -> None:
+    """P reads transfer_id too (p_key): one D could not send within wire.Name (or not a
+    string) is ignored, and P keys the request by its own id."""
+    for bad in (123, {"a": [1]}, ["t"], "t" * 300):
+        assert transfer_key("cmpl-x-0-abcdef12", bad) is None
+        assert p_key("cmpl-x-0-abcdef12", {"transfer_id": bad}) == "cmpl-x-0"
+    assert transfer_key("cmpl-x-1-abcdef12", "t" * 256) == "t" * 256 + ":1:0"
