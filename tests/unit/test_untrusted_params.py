@@ -286,3 +286,13 @@ def test_p_keys_only_by_a_transfer_id_d_could_send_back() -> None:
         assert transfer_key("cmpl-x-0-abcdef12", bad) is None
         assert p_key("cmpl-x-0-abcdef12", {"transfer_id": bad}) == "cmpl-x-0"
     assert transfer_key("cmpl-x-1-abcdef12", "t" * 256) == "t" * 256 + ":1:0"
+
+
+def test_an_unknown_host_fails_its_handshake_on_the_pool_thread() -> None:
+    """A name is resolved by the handshake's own thread, and a name that does not resolve
+    fails at once (ZMQ resolved it on its I/O thread, shared with the side-channel server,
+    and the handshake waited out its timeout)."""
+    started = time.monotonic()
+    with pytest.raises(HandshakeError, match="cannot resolve no-such-host.invalid:5700"):
+        fetch_agent_info("no-such-host.invalid", 5700, "D", 3.0)
+    assert time.monotonic() - started < 2.5
