@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import queue
 import time
-from collections import OrderedDict, defaultdict
+from collections import defaultdict
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
@@ -21,8 +21,9 @@ import msgspec
 
 from kvpush.core import trace, wire
 from kvpush.core.errors import HandshakeError, TransportError
-from kvpush.core.ids import Key, MatchTable, base_request_id, names_other_engine
+from kvpush.core.ids import Key, MatchTable
 from kvpush.core.layout import as_ids
+from kvpush.core.pairing import Pairing
 from kvpush.core.records import DKey, Flight, PendingGroup, PendingReg, PRequest, PushTransfer
 from kvpush.core.routing import p_targets
 from kvpush.core.sender import Sender
@@ -58,12 +59,10 @@ class Producer:
         self.tombstones: dict[DKey, float] = {}  # cancelled registrations, until expiry
         self.evicted_unknown: set[str] = set()  # evicted before their blocks reached us
         self.withdrawn: dict[str, float] = {}  # transfer ids D withdrew before we staged them
-        # Keys and names of our requests that ended, until when we remember them: a
-        # registration naming one can never be served and is failed at once.
-        self.ended: OrderedDict[str, tuple[float, str]] = OrderedDict()
         self.outbox: dict[tuple[str, int], list[wire.Message]] = defaultdict(list)
         s = shared
         self.sender = Sender(s.peers, s.stats, s.observe, self._replay, self._finish, self._fail)
+        self.pairing = Pairing(s, self.staged, self.pending_regs, self._send_to)
 
     def has_unmatched(self) -> bool:
         return len(self.staged) > 0
@@ -80,11 +79,11 @@ class Producer:
         if staged.request_id in self.by_prid:
             log.warning("request %s staged twice; ignoring the second", staged.request_id)
             return
-        if self._withdrawn_before(staged):
+        if self.pairing.withdrawn_before(self.withdrawn, staged):
             self.s.stats["withdrawn"] += 1
             self.s.emit("sent", staged.request_id)  # D will never ask for it
             return
-        self._adopt_named(staged)
+        self.pairing.adopt_named(staged)
         # The common case first: D's registration of this transfer id came first and its
         # copy is armed: copy now, keep the books after (the copy runs meanwhile).
         first = self.pending_regs.by_tid(staged.transfer_id)
@@ -172,11 +171,7 @@ class Producer:
             self.s.stats["reg_after_cancel"] += 1
             log.warning("registration %s from %s arrived after its cancel; ignored", key, sender)
             return
-        if not self._trusted(sender, reg):
-            return
-        if names_other_engine(reg.remote_engine_id, self.s.config.engine_id):
-            engine = self.s.config.engine_id
-            self._refuse(reg, f"it names engine {reg.remote_engine_id!r}; this is {engine!r}")
+        if not self.pairing.admit(sender, reg):
             return
         group = self.pending_regs.find(key)
         rank = reg.decode_tp_rank
@@ -186,15 +181,13 @@ class Producer:
             return
         # The decoder checked the ids for duplicates; D's layout checks the range at WRITE.
         pend = PendingReg(reg, sender, time.monotonic(), [as_ids(g) for g in reg.local_block_ids])
-        preq = self._staged_for(key)
+        preq = self.pairing.staged_for(key)
         if preq is not None:
             self._attach(preq, pend)
             if not preq.waiting():
                 self.staged.pop_value(preq)
             return
-        ended = self._ended_for(key)
-        if ended:
-            self._refuse(reg, ended)
+        if self.pairing.refuse_ended(key, reg):
             return
         if group is None:
             self.pending_regs.add(key, PendingGroup({rank: pend}))
@@ -205,23 +198,6 @@ class Producer:
             pend.armed = peer.route.arm(peer, reg, pend.dst)  # while P's blocks are not ready
         # Handshake with D now, so the WRITE can start the moment P's blocks are ready.
         self._prefetch(reg.decode_host, reg.decode_port)
-
-    def _trusted(self, sender: str, reg: wire.PushReg) -> bool:
-        """A registration may only name a decoder on the allowlist; nothing else is contacted."""
-        allow = self.s.config.trusted_decoders
-        where = f"{reg.decode_host}:{reg.decode_port}"
-        if allow is None or where in allow:
-            return True
-        self.s.stats["reg_untrusted"] += 1
-        log.warning(
-            "registration %s from %s names untrusted decoder %s; refused",
-            reg.request_id,
-            sender,
-            where,
-        )
-        if sender in self.s.peers.by_agent:  # a peer we already trust can hear why
-            self.s.notify(sender, self._fail_msg(reg, f"decoder {where} is not trusted"))
-        return False
 
     def on_cancel(self, sender: str, msg: wire.PushCancel) -> None:
         dkey = (sender, msg.request_id)
@@ -275,7 +251,7 @@ class Producer:
         for e in hb.entries:
             leg = self.by_dkey.get((sender, e.request_id))
             key = Key(e.request_id, e.transfer_id)
-            preq = leg.preq if leg is not None else self._staged_for(key)
+            preq = leg.preq if leg is not None else self.pairing.staged_for(key)
             if preq is not None:
                 self.s.emit("renewed", preq.prid)
 
@@ -295,8 +271,7 @@ class Producer:
                 self.pending_regs.pop_value(group)
         self.tombstones = {k: until for k, until in self.tombstones.items() if until >= now}
         self.withdrawn = {k: until for k, until in self.withdrawn.items() if until >= now}
-        while self.ended and next(iter(self.ended.values()))[0] < now:
-            self.ended.popitem(last=False)
+        self.pairing.forget(now)
         held: dict[str, list[wire.HbEntry]] = defaultdict(list)
         for group in self.pending_regs.values():
             for pend in group.regs.values():
@@ -412,56 +387,5 @@ class Producer:
         if self.by_prid.pop(preq.prid, None) is None:
             return
         self.staged.pop_value(preq)
-        self._mark_ended(preq)
+        self.pairing.request_ended(preq)
         self.s.emit("sent", preq.prid)
-
-    # ---- pairing by P's request name, and registrations that can never pair --------------
-
-    def _staged_for(self, key: Key) -> PRequest | None:
-        """Our request a registration (or heartbeat) names: by transfer id or request id,
-        else by our request's id without its suffix (D's leg named it: remote_request_id)."""
-        preq = self.staged.find(key)
-        return preq if preq is not None else self.staged.find_named(key.transfer_id)
-
-    def _adopt_named(self, staged: StagedBlocks) -> None:
-        """Registrations that name this request by its id (not by its transfer id) wait
-        under that name: key them as this request, so the matching below finds them."""
-        name = base_request_id(staged.request_id)
-        if staged.transfer_id == name or self.pending_regs.by_tid(staged.transfer_id):
-            return
-        got = self.pending_regs.pop_tid(name)
-        if got is not None:
-            self.pending_regs.add(Key(staged.request_id, staged.transfer_id), got[1])
-
-    def _withdrawn_before(self, staged: StagedBlocks) -> bool:
-        """D withdrew this request's transfer (by its key or by its name) before it came."""
-        name = base_request_id(staged.request_id)
-        by_key = self.withdrawn.pop(staged.transfer_id or "", None) is not None
-        return self.withdrawn.pop(name, None) is not None or by_key
-
-    def _mark_ended(self, preq: PRequest) -> None:
-        """Remember that ``preq`` ended (for registration_ttl_s), and fail the registrations
-        still waiting for it: none can be served any more."""
-        how = "was evicted (its lease ran out, or it was aborted)" if preq.ended else "was pushed"
-        why = f"the prefiller's request {preq.prid} already ended: it {how}"
-        until = time.monotonic() + self.s.config.registration_ttl_s
-        for name in {preq.tid, base_request_id(preq.prid)} - {None}:
-            assert name is not None
-            self.ended[name] = (until, why)
-            self.ended.move_to_end(name)
-            got = self.pending_regs.pop_tid(name)
-            for pend in got[1].regs.values() if got else ():
-                self._refuse(pend.reg, why)
-
-    def _ended_for(self, key: Key) -> str:
-        """Why no request of ours can serve a registration of ``key`` ("" if one may)."""
-        name = key.transfer_id if key.transfer_id is not None else base_request_id(key.request_id)
-        got = self.ended.get(name)
-        return got[1] if got else ""
-
-    def _refuse(self, reg: wire.PushReg, why: str) -> None:
-        """Fail a registration that can never pair here: D fails its request now, not
-        at its registration's expiry (registration_ttl_s)."""
-        self.s.stats["reg_unpairable"] += 1
-        log.warning("registration %s refused: %s", reg.request_id, why)
-        self._send_to(reg, self._fail_msg(reg, f"cannot pair: {why}"))
