@@ -55,6 +55,9 @@ def run_demo(opts: DemoOptions) -> dict[str, Any]:
             proc.stop()
 
 
+P_ENGINE = "demo-P"  # the id every P rank shares, as one vLLM engine's ranks do
+
+
 def start_ranks(opts: DemoOptions) -> tuple[list[EngineProcess], list[EngineProcess]]:
     """P ranks (PP stage-major; rank r listens on base + r) and D ranks, as processes."""
     common = dict(
@@ -69,6 +72,7 @@ def start_ranks(opts: DemoOptions) -> tuple[list[EngineProcess], list[EngineProc
                 p_base + s * opts.p_tp + i,
                 **common,  # type: ignore[arg-type]
                 shape=RankShape(i, opts.p_tp, s, opts.p_pp, heads, opts.mla, opts.packed),
+                engine=P_ENGINE,
             ),
             opts.log_level,
         )
@@ -127,7 +131,7 @@ def _drive(
                 drid,
                 tid,
                 n,
-                ps[0].spec.engine_id,
+                P_ENGINE,
                 "127.0.0.1",
                 ps[0].spec.port,
                 opts.p_tp,

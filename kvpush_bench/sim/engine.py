@@ -42,6 +42,9 @@ class SimSpec:
     worker: dict[str, Any] = field(default_factory=dict)  # extra WorkerConfig fields
     faults: FaultPlan | None = None  # process.py wraps the transport in a FaultTransport
     shape: RankShape = field(default_factory=RankShape)  # TP / PP rank, MLA, packed rows
+    # The engine's id when several ranks make one engine (vLLM gives every rank its
+    # engine's id, and P refuses a registration naming another); engine_id labels the rank.
+    engine: str | None = None
 
 
 def content_key(rid: str, tid: str | None) -> str:
@@ -61,7 +64,7 @@ class SimEngine:
             random.Random(spec.seed).shuffle(self.free)
         self.sched = PushScheduler(SchedulerConfig(spec.lease_s, spec.watchdog_s))
         wcfg = WorkerConfig(
-            engine_id=spec.engine_id,
+            engine_id=spec.engine or spec.engine_id,
             host=spec.host,
             port=spec.port,
             tp_rank=spec.shape.tp_rank,
