@@ -219,12 +219,12 @@ class SchedulerSide:
                 if request is None:
                     continue
                 tid = p_key(new.req_id, _params(request))
-                prompt = prompt_print(request)
                 if self.layers.takes(request, new):
-                    count = counts.get(new.req_id, 0)
+                    count, prompt = counts.get(new.req_id, 0), prompt_print(request)
                     chunks.append(self.layers.start(new, count, tid, request, prompt))
                 elif self._ends_here(request, new, counts):
-                    self.sched.hand_over(new.req_id, [list(new.block_ids[0])], tid, prompt=prompt)
+                    blocks, prompt = [list(new.block_ids[0])], prompt_print(request)
+                    self.sched.hand_over(new.req_id, blocks, tid, prompt=prompt)
                 else:
                     continue
                 if trace.ON:
