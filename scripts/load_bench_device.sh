@@ -5,10 +5,13 @@
 # each call stays under 64 MiB with the working tree: .vl1/part.00, .vl2/part.01 and
 # .lb/part.02, with vllm-router 0.1.17 + orjson (cp312 wheels unpacked, xz) as .lb/vr.tar.xz.
 #
-#   call 1 (carry .vl1): scripts/load_bench_device.sh one     piece 1, the model, MPS binary?
-#   call 2 (carry .vl2): scripts/load_bench_device.sh two     piece 2
-#   call 3 (carry .lb):  scripts/load_bench_device.sh run     unpack, the shared-GPU sweep
-#   call 4:              scripts/load_bench_device.sh mps     the same under MPS (mix A)
+#   here, once:          ../shared/tools/gpu-vllm/bundle.sh && scripts/load_bench_device.sh prep
+#   call 1 (carry .vl1): scripts/load_bench_device.sh one    piece 1, GPU and MPS binary check
+#   call 2 (carry .vl2): scripts/load_bench_device.sh two    piece 2, the model (bench shape)
+#   call 3 (carry .lb):  BUDGET=580 scripts/load_bench_device.sh run
+#                        unpack, then mix A and mix B, every contender, until the call's budget
+#   later calls (warm):  scripts/load_bench_device.sh again TAG DEADLINE LIMIT [load_bench_gpu flags]
+#                        scripts/load_bench_device.sh mps TAG DEADLINE LIMIT [flags]  (P, D under MPS)
 # Results come back as $OUT/<tag>.tgz (vLLM's JSONs, summary.json, logs) and $OUT/<tag>.log.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -30,24 +33,36 @@ sweep() {  # $1: tag, $2: seconds until no bench run starts, $3: hard limit, the
     rm -rf "/tmp/$tag"
     mkdir -p "/tmp/$tag"
     timeout -s TERM "$limit" python3 scripts/load_bench_gpu.py --out "/tmp/$tag" --model "$MODEL" \
-        --deadline "$deadline" --run-limit 90 "$@" 2>&1 | tee "$OUT/$tag.log" | grep -E '^\[|Error|error' | cut -c1-300
+        --deadline "$deadline" --run-limit "${RUN_LIMIT:-90}" "$@" 2>&1 | tee "$OUT/$tag.log" | grep -E '^\[|Error|error' | cut -c1-300
     python3 scripts/load_report.py "/tmp/$tag" --plot >"/tmp/$tag/report.md" 2>&1
     tail -40 "/tmp/$tag/report.md"
     pack "$tag"
 }
 
 case "${1:-}" in
+prep)  # here, not on the device: .vl1/.vl2 from bundle.sh re-cut in three, vllm-router packed
+    printf '/.vl1/\n/.vl2/\n/.lb/\n' >>.git/info/exclude
+    tmp=$(mktemp -d)
+    cat .vl1/part.* .vl2/part.* | split -b 44M -d - "$tmp/piece." || exit 1
+    rm -rf .vl1 .vl2 .lb && mkdir -p .vl1 .vl2 .lb/site
+    mv "$tmp/piece.00" .vl1/part.00 && mv "$tmp/piece.01" .vl2/part.01 && mv "$tmp/piece.02" .lb/part.02
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d "$tmp" \
+        vllm-router==0.1.17 orjson==3.13.0 || exit 1
+    for w in "$tmp"/*.whl; do (cd .lb/site && python3 -m zipfile -e "$w" .); done
+    tar -C .lb/site -cf - . | xz -9 -T0 >.lb/vr.tar.xz && rm -rf .lb/site "$tmp"
+    du -sh .vl1 .vl2 .lb
+    ;;
 one)
     mkdir -p /root/vl && cp .vl1/part.* /root/vl/ || exit 1
     nvidia-smi -L; nproc; free -g | head -2
     which nvidia-cuda-mps-control nvidia-smi
-    t=$(date +%s)
-    python3 -m kvpush.cli tiny-model "$MODEL" --shape bench && du -sh "$MODEL"
-    echo "model built in $(($(date +%s) - t)) s"
     ;;
 two)
     [ -e /root/vl/part.00 ] || { echo NOT-WARM; exit 3; }
     cp .vl2/part.* /root/vl/ && ls -la /root/vl
+    # Not `kvpush tiny-model`: kvpush.cli imports the router, whose msgspec is in the bundle.
+    python3 -c "from kvpush.tiny_model import make_tiny_model as m; print(m('$MODEL', 0, 'bench'))"
     ;;
 run)
     [ -e /root/vl/part.01 ] || { echo NOT-WARM; exit 3; }
@@ -61,21 +76,27 @@ run)
     left=$((${BUDGET:-585} - ($(date +%s) - t)))
     sweep shared $((left - 75)) $((left - 25)) "${MIXES[@]}"
     ;;
+again)
+    [ -d /tmp/site/vllm ] || { echo NOT-WARM; exit 3; }
+    shift
+    sweep "$@"
+    ;;
 mps)
     [ -d /tmp/site/vllm ] || { echo NOT-WARM; exit 3; }
-    mkdir -p /tmp/kvpush-mps && export CUDA_MPS_PIPE_DIRECTORY=/tmp/kvpush-mps \
-        CUDA_MPS_LOG_DIRECTORY=/tmp/kvpush-mps
-    nvidia-cuda-mps-control -d || { echo "MPS daemon did not start"; exit 4; }
-    # Only P and D (whose environment names the pipe dir) join it; the plain server, the
-    # routers and the client do not.
-    unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
-    sweep mps $((${BUDGET:-585} - 75)) $((${BUDGET:-585} - 25)) --mps "${MPS_SHARES:-50,50}" \
-        --mps-dir /tmp/kvpush-mps --mix A:2048:128:160:8,24,48,96
+    shift
+    mkdir -p /tmp/kvpush-mps
+    # Only P and D (load_bench_gpu.py --mps puts the pipe dir in their environment) join
+    # this daemon; the plain server, the fronts and the client run outside MPS.
+    CUDA_MPS_PIPE_DIRECTORY=/tmp/kvpush-mps CUDA_MPS_LOG_DIRECTORY=/tmp/kvpush-mps \
+        nvidia-cuda-mps-control -d || { echo "MPS daemon did not start"; exit 4; }
+    tag=$1 deadline=$2 limit=$3
+    shift 3
+    sweep "$tag" "$deadline" "$limit" --mps "${MPS_SHARES:-50,50}" --mps-dir /tmp/kvpush-mps "$@"
     echo quit | CUDA_MPS_PIPE_DIRECTORY=/tmp/kvpush-mps nvidia-cuda-mps-control
-    tar -C /tmp/kvpush-mps -czf "$OUT/mps-daemon-logs.tgz" . 2>/dev/null
+    tar -C /tmp/kvpush-mps -czf "$OUT/$tag-daemon.tgz" --exclude=control --exclude=control_privileged .
     ;;
 *)
-    echo "usage: $0 one|two|run|mps" >&2
+    echo "usage: $0 prep|one|two|run|again|mps" >&2
     exit 2
     ;;
 esac

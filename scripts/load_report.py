@@ -68,6 +68,22 @@ def table(mix: str, by_rate: dict[float, dict[str, dict[str, Any]]], names: list
     return "\n".join(lines)
 
 
+def compact(by_rate: dict[float, dict[str, dict[str, Any]]], names: list[str]) -> str:
+    """Issue 38's layout: TTFT p50 / p99 of every contender, then TPOT p99 and ITL p99."""
+    head = ["rate"] + [f"{SHORT[n]} TTFT p50 / p99" for n in names]
+    head += [f"{SHORT[n]} TPOT p99" for n in names] + [f"{SHORT[n]} ITL p99" for n in names]
+    head.append("failed")
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for rate in sorted(by_rate):
+        runs = by_rate[rate]
+        row = [f"{rate:g}"] + [_pair(runs.get(n), "ttft") for n in names]
+        row += [_f(_get(runs, n, "p99_tpot_ms")) for n in names]
+        row += [_f(_get(runs, n, "p99_itl_ms")) for n in names]
+        row.append(str(sum(int((runs.get(n) or {}).get("failed") or 0) for n in names)))
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
 def _get(runs: dict[str, dict[str, Any]], name: str, key: str) -> float | None:
     r = runs.get(name)
     if not r or "error" in r:
@@ -179,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("dir")
     p.add_argument("--plot", action="store_true", help="write DIR/load-<mix>.png")
+    p.add_argument("--compact", action="store_true", help="issue 38's table layout")
     args = p.parse_args(argv)
     d = Path(args.dir)
     summary = json.loads((d / "summary.json").read_text())
@@ -189,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         m = mixes[mix]
         print(f"\n### Mix {mix}: {m['input_len']} in / {m['output_len']} out, "
               f"{m['requests']} requests per rate\n")  # fmt: skip
-        print(table(mix, by_rate, names))
+        print(compact(by_rate, names) if args.compact else table(mix, by_rate, names))
         rows = targets(by_rate)
         report[mix] = rows
         print(f"\nTargets (mix {mix}):\n")
