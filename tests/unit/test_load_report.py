@@ -1,0 +1,72 @@
+"""The load benchmark's target checks (scripts/load_report.py) and its NixlPush proxy's legs
+(scripts/pd_proxy.py), without servers."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _load(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, ROOT / f"scripts/{name}.py")
+    assert spec and spec.loader
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _run(p50: float, p99: float, tpot99: float, failed: int = 0) -> dict[str, Any]:
+    return {"p50_ttft_ms": p50, "p99_ttft_ms": p99, "p99_tpot_ms": tpot99, "failed": failed}
+
+
+def test_targets_cell_by_cell() -> None:
+    report = _load("load_report")
+    by_rate = {
+        8.0: {  # every target met
+            "plain": _run(30, 60, 4.0),
+            "kvpush": _run(34, 70, 2.9),
+            "push": _run(60, 150, 3.0),
+        },
+        24.0: {  # p50 +6 ms, p99 1.25x, TPOT 0.8x, overhead 6/20 = 0.3, one failure
+            "plain": _run(40, 80, 5.0),
+            "kvpush": _run(46, 100, 4.0, failed=1),
+            "push": _run(60, 120, 3.0),
+        },
+        96.0: {"plain": _run(100, 600, 9.0), "kvpush": _run(300, 500, 8.0)},  # out of scope
+    }
+    rows = {r["rate"]: r for r in report.targets(by_rate)}
+    ok = rows[8.0]
+    assert ok["in_scope"] and ok["ttft_p50_ok"] and ok["ttft_p99_ok"] and ok["tpot_p99_ok"]
+    assert ok["overhead_p50_ok"] and ok["no_failures_ok"]
+    assert abs(ok["overhead_ratio_p50"] - 4 / 30) < 1e-9
+    bad = rows[24.0]
+    assert bad["in_scope"]
+    assert not any(bad[k] for k in ("ttft_p50_ok", "ttft_p99_ok", "tpot_p99_ok"))
+    assert not bad["overhead_p50_ok"] and not bad["no_failures_ok"]
+    out = rows[96.0]
+    assert not out["in_scope"] and out["overhead_ratio_p50"] is None  # no NixlPush run
+    assert "**no**" in report.targets_table(list(rows.values()))
+
+
+def test_failed_run_is_not_a_pass() -> None:
+    report = _load("load_report")
+    rows = report.targets({8.0: {"plain": _run(30, 60, 4.0), "kvpush": {"error": "timeout"}}})
+    assert rows[0]["ttft_p50_ok"] is None and rows[0]["no_failures_ok"] is False
+
+
+def test_proxy_legs() -> None:
+    proxy = _load("pd_proxy")
+    body = {"prompt": "x", "max_tokens": 128, "stream": True, "stream_options": {"a": 1}}
+    p = proxy.prefill_body(body)
+    assert p["max_tokens"] == 1 and p["stream"] is False and "stream_options" not in p
+    assert p["kv_transfer_params"] == {"do_remote_decode": True}
+    assert body["max_tokens"] == 128 and "stream_options" in body  # the client's body kept
+    args = argparse.Namespace(prefill_engine_id="push-prefill", side_host="h", side_port=5)
+    d = proxy.push_params(args, "abc")
+    assert d["remote_request_id"] == "cmpl-abc-0" and d["do_remote_prefill"] is True
+    assert (d["remote_engine_id"], d["remote_host"], d["remote_port"]) == ("push-prefill", "h", 5)
