@@ -146,3 +146,19 @@ def test_a_chat_templated_otherwise_on_d_is_recomputed_or_fails(cluster: dict[st
     # Counted on both sides: P refused the registration, D's receive failed by it.
     wait_until(lambda: mismatches(p) == p_seen + 1 and mismatches(d) == 1, 20, what="the count")
     assert metric(d.url, RECEIVED) == received  # no KV of P's prompt was taken
+
+
+def test_a_streamed_chat_templated_otherwise_gets_no_mixed_answer(cluster: dict[str, Any]) -> None:
+    """Streamed and greedy, the client's first token comes from P's answer (router/head.py),
+    of P's prompt; the rest comes from D only when D's own first token is the same, else
+    the router asks D again and a first token that still differs ends the stream with an
+    error. So again: a plain server's answer with D's template, or a clear failure."""
+    p, d, model = cluster["p"], cluster["d"], cluster["model"]
+    p_seen, d_seen = mismatches(p), mismatches(d)
+    got = request(cluster["router"].url, model, None, CHAT, max_tokens=8, stream=True)
+    ref = cluster["reference"]["chat"]
+    if got.ok:
+        assert got.token_ids and got.token_ids == ref.token_ids, (got.text, ref.text)
+    else:
+        assert got.error, got
+    wait_until(lambda: mismatches(p) > p_seen and mismatches(d) > d_seen, 20, what="the count")
