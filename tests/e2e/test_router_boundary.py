@@ -42,7 +42,7 @@ HOSTILE = {
 PROMPT = "the quick brown fox jumps over a lazy dog while seven wizards quietly hex"
 UNSTABLE = {"id", "created", "system_fingerprint"}
 JSON = {"Content-Type": "application/json"}
-FUZZ_REQUESTS = 90
+FUZZ_REQUESTS = 210
 FUZZ_BUDGET_S = 120.0
 
 
