@@ -5,10 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvpush.router.pool import InstanceSpec, Policy
 from kvpush.router.pool import parse_host_port as _parse_host_port
+
+if TYPE_CHECKING:
+    from kvpush.router.config import RouterConfig
 
 
 def parse_host_port(value: str) -> tuple[str, int]:
@@ -85,8 +88,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--admin-loopback-without-token",
         action="store_true",
         help="without --admin-token, open /admin/* and the detailed /health to clients "
-        "on this host (loopback) with no token; any local user or program, and a "
-        "browser's page, is such a client",
+        "on this host (loopback) with no token: any local user or program can then "
+        "change the pools (a browser's page is refused: foreign Origin or Host)",
     )
     p.add_argument(
         "--max-concurrent-requests",
@@ -131,46 +134,49 @@ def instances(args: argparse.Namespace) -> tuple[InstanceSpec, ...]:
     return tuple(out)
 
 
+def config(args: argparse.Namespace) -> RouterConfig:
+    """The router's settings from its flags; ValueError for flags that do not fit."""
+    from kvpush.router.config import RouterConfig
+
+    policy = Policy(
+        breaker_failures=args.breaker_failures,
+        breaker_cooldown=args.breaker_cooldown,
+        affinity_chars=args.affinity_chars,
+    )
+    return RouterConfig(
+        timeout=args.timeout,
+        decode_kv_extra=args.decode_kv_extra,
+        instances=instances(args),
+        config_path=args.config,
+        policy=policy,
+        health_interval=args.health_interval,
+        health_timeout=args.health_timeout,
+        health_fails=args.health_fails,
+        health_passes=args.health_passes,
+        scrape_interval=args.scrape_interval,
+        retries=args.retries,
+        admin_token=args.admin_token,
+        admin_loopback_open=args.admin_loopback_without_token,
+        max_concurrent=args.max_concurrent_requests,
+        max_body_bytes=args.max_body_bytes,
+        body_timeout=args.body_timeout,
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     # Imported here so that `kvpush --help` does not need aiohttp.
     from aiohttp import web
 
-    from kvpush.router.app import RouterConfig, make_app
+    from kvpush.router.app import make_app
 
     try:
-        given = instances(args)
-    except ValueError as exc:
-        raise SystemExit(f"kvpush router: {exc}") from None
-    try:
-        policy = Policy(
-            breaker_failures=args.breaker_failures,
-            breaker_cooldown=args.breaker_cooldown,
-            affinity_chars=args.affinity_chars,
-        )
-        config = RouterConfig(
-            timeout=args.timeout,
-            decode_kv_extra=args.decode_kv_extra,
-            instances=given,
-            config_path=args.config,
-            policy=policy,
-            health_interval=args.health_interval,
-            health_timeout=args.health_timeout,
-            health_fails=args.health_fails,
-            health_passes=args.health_passes,
-            scrape_interval=args.scrape_interval,
-            retries=args.retries,
-            admin_token=args.admin_token,
-            admin_loopback_open=args.admin_loopback_without_token,
-            max_concurrent=args.max_concurrent_requests,
-            max_body_bytes=args.max_body_bytes,
-            body_timeout=args.body_timeout,
-        )
+        cfg = config(args)
     except ValueError as exc:
         raise SystemExit(f"kvpush router: {exc}") from None
     # handler_cancellation: a client that hangs up cancels its handler, whose cleanup then
     # cancels both legs, so P and D abort the request instead of finishing it for nobody.
     web.run_app(
-        make_app(config),
+        make_app(cfg),
         host=args.host,
         port=args.port,
         access_log=None,

@@ -176,3 +176,21 @@ def test_admin_token_is_compared_in_constant_time() -> None:
     with mock.patch.object(admin.hmac, "compare_digest", return_value=True) as compare:
         assert admin.refusal(req) is None  # the comparison decided, not ==
     compare.assert_called_once()
+
+
+def test_boundary_flags_reach_the_routers_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    parser = argparse.ArgumentParser()
+    monkeypatch.delenv("KVPUSH_ROUTER_ADMIN_TOKEN", raising=False)
+    cli.add_parser(parser.add_subparsers())
+    base = "router --port 1 --prefill http://a:1 --decode http://c:1"
+    cfg = cli.config(parser.parse_args(base.split()))
+    # The defaults: admin off, a cap, a body limit and a read deadline.
+    assert cfg.admin_token is None and cfg.admin_loopback_open is False
+    assert (cfg.max_concurrent, cfg.max_body_bytes, cfg.body_timeout) == (1024, 64 << 20, 30.0)
+    more = " --admin-loopback-without-token --max-concurrent-requests 7 --max-body-bytes 99"
+    cfg = cli.config(parser.parse_args((base + more + " --body-timeout 2.5").split()))
+    assert cfg.admin_loopback_open is True
+    assert (cfg.max_concurrent, cfg.max_body_bytes, cfg.body_timeout) == (7, 99, 2.5)
+    for bad in ("--max-concurrent-requests 0", "--body-timeout 0", "--admin-token \u20ac"):
+        with pytest.raises(ValueError):
+            cli.config(parser.parse_args([*base.split(), *bad.split()]))
