@@ -7,8 +7,9 @@ The info is what it takes to WRITE into this worker's KV memory (NIXL metadata)
 or to map it (CUDA IPC handles), so with a shared secret nothing of it leaves
 before both sides proved the secret, in two round trips (REQ/REP):
 
-1. client: ``hello``            server: a fresh challenge (32 random bytes,
-                                single-use, expires after CHALLENGE_TTL_S)
+1. client: ``hello``            server: a fresh challenge (32 bytes: its expiry,
+                                random bytes and the server's own MAC over both;
+                                expires after CHALLENGE_TTL_S, single-use)
 2. client: ``proof`` = its own nonce, its agent name and
    HMAC(secret, "client", challenge, nonce, agent, engine)
                                 server: checks the proof, consumes the challenge,
@@ -16,11 +17,15 @@ before both sides proved the secret, in two round trips (REQ/REP):
                                 HMAC(secret, "server", nonce, challenge, ciphertext)
 
 Each MAC names the protocol version and its direction, so neither a replayed nor
-a reflected message proves anything. Anything else gets a short refusal naming
-its cause, with nothing of the info, and is counted by cause (``refused``). The
-agent names that proved the secret are reported (``on_client``): the worker acts
-on NIXL notifications only from those. Without a secret the info is served at
-once to anyone, as before, and a warning says so at start-up.
+a reflected message proves anything. The server keeps no state per ``hello``: the
+challenge carries its own expiry under a MAC with a key of the server's own, and only
+challenges answered with a valid proof are remembered (until they expire), so a flood of
+anonymous ``hello``s can neither grow memory nor evict an honest client's challenge.
+Anything else gets a short refusal naming its cause, with nothing of the info, and is
+counted by cause (``refused``). The agent names that proved the secret are reported
+(``on_client``): the worker acts on NIXL notifications only from those. Without a
+secret the info is served at once to anyone, as before, and a warning says so at
+start-up.
 """
 
 from __future__ import annotations
@@ -51,7 +56,8 @@ NONCE_BYTES = 32
 MAX_REQUEST_BYTES = 4096  # a request is ~200 bytes; larger ones are refused
 MAX_FRAME_BYTES = 1 << 20  # beyond this ZMQ drops the connection (nothing to answer)
 CHALLENGE_TTL_S = 10.0
-MAX_CHALLENGES = 1024  # outstanding; the oldest is dropped beyond (a flood cannot grow memory)
+_STAMP = 8  # a challenge: its expiry (ms, big-endian), random bytes, the server's tag
+_TAG = 8
 CAUSES = ("malformed", "oversized", "version", "no_secret", "bad_mac", "replay")
 _SHORT = {
     "malformed": "malformed request",
@@ -153,7 +159,9 @@ class SideChannelServer:
         self._info = _encoder.encode(info)
         self._secret = as_secret(secret)
         self._on_client = on_client
-        self._challenges: OrderedDict[bytes, float] = OrderedDict()
+        self._key = os.urandom(32)  # tags this server's challenges; never leaves it
+        # Challenges answered with a valid proof, until they expire: single use.
+        self._used: OrderedDict[bytes, float] = OrderedDict()
         # Fixed keys: other threads may copy these while the server counts.
         self.refused: dict[str, int] = dict.fromkeys(CAUSES, 0)
         self.served = 0
@@ -178,8 +186,19 @@ class SideChannelServer:
             )
         elif len(self._secret) < 16:
             log.warning("the kvpush shared secret is shorter than 16 bytes: easy to guess")
-        self._thread = threading.Thread(target=self._serve, name="kvpush-side-channel", daemon=True)
+        self.running = True  # cleared as the thread exits; the worker checks it each step
+        self._thread = threading.Thread(target=self._run, name="kvpush-side-channel", daemon=True)
         self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._serve()
+        except BaseException:  # no thread dies silently: the worker fails its next step
+            if not self._stop.is_set():
+                log.exception("kvpush side channel stopped")
+            raise
+        finally:
+            self.running = False
 
     def _serve(self) -> None:
         poller = zmq.Poller()
@@ -222,8 +241,8 @@ class SideChannelServer:
             return HandshakeReply(info=self._info)
         if req.step == "hello":
             return HandshakeReply(challenge=self._new_challenge())
-        expires = self._challenges.pop(req.challenge, None)  # single-use, even if refused
-        if expires is None or expires < time.monotonic():
+        expires = self._expiry(req.challenge)
+        if expires is None or expires < time.monotonic() or req.challenge in self._used:
             return self._refuse("replay", who)
         if len(req.nonce) != NONCE_BYTES:
             return self._refuse("malformed", f"{who}: nonce of {len(req.nonce)} bytes")
@@ -232,6 +251,7 @@ class SideChannelServer:
         want = _mac(self._secret, "client", req.challenge, req.nonce, req.agent, req.engine_id)
         if not hmac.compare_digest(req.mac, want):
             return self._refuse("bad_mac", who)
+        self._use(req.challenge, expires)
         if self._on_client is not None and req.agent:
             self._on_client(req.agent)
         self.served += 1
@@ -240,14 +260,31 @@ class SideChannelServer:
         mac = _mac(self._secret, "server", req.nonce, req.challenge, body)
         return HandshakeReply(info=body, mac=mac)
 
+    def _tag(self, head: bytes) -> bytes:
+        return hmac.new(self._key, head, hashlib.sha256).digest()[:_TAG]
+
     def _new_challenge(self) -> bytes:
+        ms = int((time.monotonic() + CHALLENGE_TTL_S) * 1000)
+        head = ms.to_bytes(_STAMP, "big") + os.urandom(NONCE_BYTES - _STAMP - _TAG)
+        return head + self._tag(head)
+
+    def _expiry(self, challenge: bytes) -> float | None:
+        """When a challenge of ours expires (monotonic seconds); None if not ours."""
+        if len(challenge) != NONCE_BYTES:
+            return None
+        head, tag = challenge[:-_TAG], challenge[-_TAG:]
+        if not hmac.compare_digest(tag, self._tag(head)):
+            return None
+        return int.from_bytes(head[:_STAMP], "big") / 1000
+
+    def _use(self, challenge: bytes, expires: float) -> None:
+        """Spend a proven challenge: only a holder of the secret adds here, once per
+        handshake, and entries leave as they expire (one TTL for all: in order)."""
         now = time.monotonic()
-        held = self._challenges
-        while held and (len(held) >= MAX_CHALLENGES or next(iter(held.values())) < now):
-            held.popitem(last=False)  # in order of expiry: one TTL for all
-        challenge = os.urandom(NONCE_BYTES)
-        held[challenge] = now + CHALLENGE_TTL_S
-        return challenge
+        used = self._used
+        while used and next(iter(used.values())) < now:
+            used.popitem(last=False)
+        used[challenge] = expires
 
     def _refuse(self, cause: str, detail: str) -> HandshakeReply:
         self.refused[cause] += 1

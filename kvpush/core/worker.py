@@ -243,6 +243,8 @@ class PushWorker:
         # A flag the keeper clears as it exits: Thread.is_alive() takes a lock every step.
         if not self._keeper_running and not self._stop.is_set():
             raise KVPushError("kvpush keeper thread is not running")
+        if not self._server.running and not self._stop.is_set():
+            raise KVPushError("kvpush side channel thread is not running")
 
     # ---- shared services for producer and consumer ---------------------------------------
 

@@ -173,6 +173,43 @@ def test_replayed_and_expired_proofs_are_refused(
     rogue.close()
 
 
+def test_a_flood_of_hellos_neither_evicts_an_honest_challenge_nor_grows_memory(
+    server: Callable[..., Server],
+) -> None:
+    s = server()
+    honest = Raw(s.port)
+    challenge = honest.hello()
+    flood = Raw(s.port)
+    for _ in range(3000):  # more than any bound a table of outstanding challenges could have
+        flood.hello()
+    forged = bytes(hs.NONCE_BYTES)  # a challenge the server never issued
+    assert flood.ask(flood.proof(forged, SECRET)).error == hs._SHORT["replay"]
+    assert honest.ask(honest.proof(challenge, SECRET)).info is not None
+    assert not s.srv._used.keys() - {challenge}  # only a proven challenge is remembered
+    assert s.clients == ["R-agent"]
+    honest.close()
+    flood.close()
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_side_channel_thread_that_died_is_noticed(server: Callable[..., Server]) -> None:
+    s = server()
+
+    def broken() -> None:
+        raise RuntimeError("injected")
+
+    s.srv._stop.set()  # the serving thread exits at its next poll
+    s.srv._thread.join(timeout=2)
+    assert s.srv.running is False  # cleared even on a clean exit
+    s.srv._stop.clear()
+    s.srv._serve = broken  # type: ignore[method-assign]
+    t = threading.Thread(target=s.srv._run)
+    s.srv.running = True
+    t.start()
+    t.join(timeout=2)
+    assert s.srv.running is False  # the worker's _check_alive raises on it
+
+
 def test_garbage_oversized_and_old_versions_get_a_short_refusal(
     server: Callable[..., Server],
 ) -> None:

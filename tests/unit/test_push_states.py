@@ -14,10 +14,11 @@ from typing import Any
 import pytest
 
 from kvpush.core import wire
-from kvpush.core.errors import HandshakeError, PeerGoneError
+from kvpush.core.errors import HandshakeError, KVPushError, PeerGoneError
 from kvpush.core.handshake import fetch_agent_info
 from kvpush.core.memory_transport import Fabric, MemoryTransport
 from kvpush.core.transport import WriteState
+from kvpush.core.types import StepMeta
 from kvpush.core.worker import make_agent_name
 from kvpush_bench.sim.engine import SimEngine, SimSpec
 from kvpush_bench.sim.ranks import RankShape
@@ -460,7 +461,7 @@ def test_handshake_refuses_incompatible_layouts(
 def test_cancel_after_the_outcome_reports_nothing_more(pair_factory: Callable[..., Pair]) -> None:
     """vLLM asserts a finished receive is reported once: a cancel that arrives after the
     receive already failed (its report not yet collected) must not add a "released"."""
-    from kvpush.core.types import RecvRegistration, StepMeta
+    from kvpush.core.types import RecvRegistration
 
     pair = pair_factory()
     worker = pair.d.worker
@@ -484,6 +485,15 @@ def test_cancel_after_the_outcome_reports_nothing_more(pair_factory: Callable[..
     worker.start_step(reg("marker"))  # same FIFO: once it ends, the cancel was handled
     wait_until(lambda: collected(("failed", "marker")), 10, what="the marker to fail")
     assert [s for s in seen if s[1] == "r1"] == [("failed", "r1")], seen
+
+
+def test_a_dead_side_channel_fails_the_engines_next_step(
+    pair_factory: Callable[..., Pair],
+) -> None:
+    w = pair_factory().d.worker
+    w._server.running = False  # as its thread leaves it (handshake.SideChannelServer._run)
+    with pytest.raises(KVPushError, match="side channel thread is not running"):
+        w.start_step(StepMeta(cancels=["x"]))
 
 
 def test_the_engine_thread_ticks_and_idles_cheaply(
