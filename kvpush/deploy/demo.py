@@ -72,6 +72,7 @@ class Cluster:
         log_dir: str,
         router_args: list[str] | None = None,
         max_model_len: int = 512,
+        decode_args: list[str] | None = None,  # further vLLM flags for D
         **extra: Any,
     ) -> None:
         self.side_port = free_port()
@@ -93,6 +94,7 @@ class Cluster:
                 core=1,
                 max_model_len=max_model_len,
                 log_dir=log_dir,
+                extra_args=list(decode_args or ()),
             )
         )
         self.router = RouterProc(
