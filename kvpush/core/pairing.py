@@ -8,25 +8,48 @@ carried one by. P refuses at once, with a ``PUSH_FAIL``, a registration it can n
 one naming a decoder off the allowlist or another engine id, and one naming a request of
 P's that already ended (remembered for ``registration_ttl_s``); a registration still waiting
 when the request it names ends is failed then. Owned by the producer (the ticking thread).
+
+And one naming a request P's engine never got: P's scheduler reports the names of each
+request that comes (``StepMeta.arrived``, at vLLM's ``on_new_request``, before the engine
+can schedule it) until it is handed over or leaves (``departed``); a registration whose
+name has not come within ``unknown_request_grace_s`` is refused, once this worker has taken
+in every request its engine got by then (``refuse_unknown``: a busy engine's late steps
+never count against it). Until the scheduler reports any arrival (the sim, an older P)
+nothing is refused this way.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from kvpush.core import wire
 from kvpush.core.ids import Key, MatchTable, base_request_id, names_other_engine
-from kvpush.core.types import StagedBlocks
+from kvpush.core.types import StagedBlocks, StepMeta
 
 if TYPE_CHECKING:
     from kvpush.core.records import PendingGroup, PRequest
     from kvpush.core.shared import Shared
 
 log = logging.getLogger(__name__)
+
+# vLLM schedules at most max_concurrent_batches (PP size + 1) steps ahead of the one a
+# worker is in: a step this many after one this worker took in past a moment was built
+# by the scheduler after that moment, with every arrival the engine had by then.
+STEPS_AHEAD = 16
+# An engine with no step running schedules a request the moment it gets one; a worker that
+# saw no step begin for this long after a moment has seen every arrival before it.
+IDLE_S = 1.0
+MAX_ARRIVED = 1 << 20  # names of requests not yet handed over (a bound; refusals stop past it)
+
+
+def named(key: Key) -> str:
+    """The name of P's request a registration's key names: its transfer id (P's key, or
+    P's request id without its suffix), else D's request id without its suffix."""
+    return key.transfer_id if key.transfer_id is not None else base_request_id(key.request_id)
 
 
 class Pairing:
@@ -43,6 +66,15 @@ class Pairing:
         self._send_to = send_to  # a notice to the D of a registration (after its handshake)
         # Keys and names of P's requests that ended: until when, and why.
         self.ended: OrderedDict[str, tuple[float, str]] = OrderedDict()
+        # Names of requests P's engine got and has not handed over (StepMeta.arrived).
+        self.arrived: Counter[str] = Counter()
+        self.tracking = False  # P's scheduler reports arrivals (not past MAX_ARRIVED)
+        self.overflowed = False
+        # Where the engine is: steps whose StepMeta this worker took in (written by the
+        # engine's thread only), whether one is running, and since when none is.
+        self.steps = 0
+        self.in_step = False
+        self.idle_since = time.monotonic()
 
     # ---- before matching -----------------------------------------------------------------
 
@@ -91,6 +123,77 @@ class Pairing:
         by_key = withdrawn.pop(staged.transfer_id or "", None) is not None
         return withdrawn.pop(base_request_id(staged.request_id), None) is not None or by_key
 
+    # ---- requests P's engine got --------------------------------------------------------
+
+    def took(self, meta: StepMeta) -> None:
+        """The worker takes in a step: its names of requests that came to the engine and
+        that left it unstaged, then the step is counted. The engine's thread writes these
+        (and ``staging``) only; the ticking thread only reads them."""
+        self.in_step = True
+        if meta.arrived and not self.overflowed:
+            self.arrived.update(meta.arrived)
+            self.overflowed = len(self.arrived) > MAX_ARRIVED  # (then it grows no more)
+            if self.overflowed:
+                log.warning(
+                    "over %d names not handed over: none refused as unknown now", MAX_ARRIVED
+                )
+            self.tracking = not self.overflowed
+        for name in meta.departed:
+            self._drop(name)
+        self.steps += 1
+
+    def step_began(self) -> None:
+        """The engine starts a step (vLLM binds its metadata before the forward; the worker
+        may take it in only after): an arrival may be in it. Any thread."""
+        self.in_step = True
+
+    def step_ended(self, now: float) -> None:
+        self.in_step, self.idle_since = False, now
+
+    def staging(self, staged: StagedBlocks) -> None:
+        """``staged`` is handed over: from now on ``staged``/``ended`` know it."""
+        for name in {staged.transfer_id, base_request_id(staged.request_id)}:
+            if name is not None:
+                self._drop(name)
+
+    def _drop(self, name: str) -> None:
+        left = self.arrived.get(name, 0) - 1
+        if left > 0:
+            self.arrived[name] = left
+        else:
+            self.arrived.pop(name, None)
+
+    def refuse_unknown(self, now: float) -> None:
+        """Refuse the waiting registrations that name no request P's engine got within
+        ``unknown_request_grace_s`` of their arrival (the timer, every heartbeat)."""
+        # Where the engine was, read before anything else: a step counted here had its
+        # arrivals added (and any overflow noted) before (``took``): none is missed below.
+        steps, busy, idle_since = self.steps, self.in_step, self.idle_since
+        if not self.tracking:
+            return
+        grace = self.s.config.unknown_request_grace_s
+        for key, group in self.pending.items():
+            name = named(key)
+            if name in self.arrived:
+                continue
+            for rank, pend in list(group.regs.items()):
+                if now - pend.arrived < grace:
+                    continue
+                if pend.mark is None:  # what the engine gets after this came too late
+                    pend.mark = (steps, now)
+                    continue
+                # Caught up with the engine at the mark: STEPS_AHEAD steps taken in since,
+                # or no step has begun since before it, for IDLE_S.
+                at = pend.mark[1]
+                idle = not busy and idle_since <= at and now - at >= IDLE_S
+                if steps - pend.mark[0] < STEPS_AHEAD and not idle:
+                    continue
+                del group.regs[rank]
+                why = f"no request of this prefiller is named {name!r} (none came within"
+                self.refuse(pend.reg, f"{why} unknown_request_grace_s={grace:g})")
+            if not group.regs:
+                self.pending.pop_value(group)
+
     # ---- requests that ended -------------------------------------------------------------
 
     def request_ended(self, preq: PRequest) -> None:
@@ -110,8 +213,7 @@ class Pairing:
 
     def refuse_ended(self, key: Key, reg: wire.PushReg) -> bool:
         """Refuse ``reg`` if the request of P's it names has ended."""
-        name = key.transfer_id if key.transfer_id is not None else base_request_id(key.request_id)
-        got = self.ended.get(name)
+        got = self.ended.get(named(key))
         if got is not None:
             self.refuse(reg, got[1])
         return got is not None

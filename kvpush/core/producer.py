@@ -70,6 +70,7 @@ class Producer:
     # ---- inboxes -------------------------------------------------------------------------
 
     def on_finished(self, staged: StagedBlocks) -> None:
+        self.pairing.staging(staged)
         if staged.request_id in self.evicted_unknown:
             self.evicted_unknown.discard(staged.request_id)
             log.warning(
@@ -269,6 +270,7 @@ class Producer:
                 self._send_to(pend.reg, self._fail_msg(pend.reg, "no prefill blocks in time"))
             if not group.regs:
                 self.pending_regs.pop_value(group)
+        self.pairing.refuse_unknown(now)
         self.tombstones = {k: until for k, until in self.tombstones.items() if until >= now}
         self.withdrawn = {k: until for k, until in self.withdrawn.items() if until >= now}
         self.pairing.forget(now)

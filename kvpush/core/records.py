@@ -62,6 +62,9 @@ class PendingReg:
     # D's ids as arrays, made on arrival so the WRITE path need not convert them.
     dst: list[np.ndarray] = field(default_factory=list)
     armed: Armed | None = None
+    # Past unknown_request_grace_s with its request unknown: the worker's step count and
+    # the time then (core/pairing.py refuses it once the worker has caught up with that).
+    mark: tuple[int, float] | None = None
 
 
 @dataclass

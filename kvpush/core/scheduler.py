@@ -129,6 +129,15 @@ class PushScheduler:
             self._out.early.append(StagedBlocks(request_id, block_ids, transfer_id, prompt=prompt))
         return True
 
+    def arrived(self, names: list[str]) -> None:
+        """Names of a request that came to P's engine (``StepMeta.arrived``): P's workers
+        refuse a registration naming none that came (core/pairing.py)."""
+        self._out.arrived.extend(names)
+
+    def departed(self, names: list[str]) -> None:
+        """Names of a request that left P's engine without being handed over."""
+        self._out.departed.extend(names)
+
     def handed_over(self, request_id: str) -> bool:
         """True while a request handed over early waits for its ``request_finished``."""
         held = self._p.get(request_id)

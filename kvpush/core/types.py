@@ -188,6 +188,11 @@ class StepMeta:
     # free the prompt's blocks it keeps for them at once instead of at lease expiry.
     withdrawn: list[RecvRegistration] = field(default_factory=list)
     layered: list[LayerChunk] = field(default_factory=list)  # P: this step's chunks
+    # P: names a registration may give (core/pairing.py) of requests that came to the
+    # engine (``arrived``, at vLLM's on_new_request) or left it without being handed over
+    # (``departed``): P refuses a registration whose name never came (unknown_request_grace_s).
+    arrived: list[str] = field(default_factory=list)
+    departed: list[str] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(
@@ -201,6 +206,8 @@ class StepMeta:
             or self.confirmed
             or self.withdrawn
             or self.layered
+            or self.arrived
+            or self.departed
         )
 
 
@@ -243,6 +250,10 @@ class WorkerConfig:
     heartbeat_interval_s: float = 1.0
     handshake_timeout_s: float = 5.0
     registration_ttl_s: float = 60.0  # P drops a registration its prefill never matched
+    # P refuses a registration naming no request its engine got within this long (once
+    # its scheduler reports arrivals, StepMeta.arrived): both legs are sent at once, so P's
+    # request is normally there within milliseconds; this leaves room for a backlog.
+    unknown_request_grace_s: float = 5.0
     # Handshakes under way at once, each on its own pool thread so none waits behind one
     # to a dead address; half of them at most to one host (core/peers.py). Beyond, a
     # registration that needs another fails at once.
@@ -275,6 +286,7 @@ class WorkerConfig:
             "heartbeat_interval_s",
             "handshake_timeout_s",
             "registration_ttl_s",
+            "unknown_request_grace_s",
         ):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")

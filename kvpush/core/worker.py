@@ -126,6 +126,7 @@ class PushWorker:
 
     def start_step(self, meta: StepMeta) -> None:
         """This step's new work (the design's ``start_load_kv``): taken in, then one tick."""
+        self.producer.pairing.took(meta)  # (engine thread only; the tick only reads it)
         if not meta:
             return  # (get_finished, called every step too, checks the keeper is alive)
         self._check_alive()
@@ -179,6 +180,7 @@ class PushWorker:
         with self._lock:
             self._engine_seen = time.monotonic()
             self._poll()
+        self.producer.pairing.step_ended(self._engine_seen)
         out = WorkerOutput()
         results = self._results
         while not results.empty():  # the engine thread is the only consumer

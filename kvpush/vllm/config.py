@@ -33,6 +33,7 @@ class ConnectorOptions:
     heartbeat_interval_s: float = 1.0
     handshake_timeout_s: float = 5.0
     registration_ttl_s: float = 60.0
+    unknown_request_grace_s: float = 5.0  # P: refuse a registration naming no request by then
     peer_copy: str = "auto"  # CUDA IPC copy into same-host decoders: auto (CUDA+CuPy), on, off
     # Words of the completion lane a decoder offers same-host copies (0: completions over
     # NIXL only); see kvpush/core/lane.py.
@@ -110,6 +111,7 @@ class ConnectorOptions:
             "heartbeat_interval_s",
             "handshake_timeout_s",
             "registration_ttl_s",
+            "unknown_request_grace_s",
         ):
             if not getattr(opts, name) > 0:
                 raise ConfigError(f"kvpush option {name} must be > 0")

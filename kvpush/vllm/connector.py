@@ -102,6 +102,11 @@ class KVPushConnector(KVConnectorBase_V1):  # type: ignore[misc]
         mla = bool(getattr(self._vllm_config.model_config, "use_mla", False))
         self.worker_side.register(kv_caches, num_blocks, self.block_size, mla)
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self.worker_side is not None:  # a step begins (start_load_kv may follow its forward)
+            self.worker_side.step_began()
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         assert self.worker_side is not None
         meta = self._get_connector_metadata()
@@ -176,6 +181,10 @@ class KVPushConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self.sched_side.update_state_after_alloc(
             request, groups, num_external_tokens, self.block_size
         )
+
+    def on_new_request(self, request: Any) -> None:
+        if self.sched_side is not None:
+            self.sched_side.on_new_request(request)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVPushMeta:
         assert self.sched_side is not None

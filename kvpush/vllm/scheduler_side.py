@@ -129,6 +129,12 @@ def p_key(request_id: str, params: dict[str, Any]) -> str:
     return transfer_key(request_id, params.get("transfer_id")) or base_request_id(request_id)
 
 
+def p_names(request_id: str, params: dict[str, Any]) -> list[str]:
+    """The names a registration may give P's request: its key and its id without the
+    engine suffix (core/pairing.py's ``named``; what P also remembers of an ended one)."""
+    return list(dict.fromkeys((p_key(request_id, params), base_request_id(request_id))))
+
+
 class SchedulerSide:
     def __init__(
         self,
@@ -204,6 +210,13 @@ class SchedulerSide:
             self._traced[rid] = reg.transfer_id
 
     # ---- P --------------------------------------------------------------------------------
+
+    def on_new_request(self, request: Any) -> None:
+        """vLLM's add_request, before the engine can schedule it: P's workers learn the
+        names a registration may give it, to refuse one naming a request that never came."""
+        params = _params(request)
+        if self.is_producer and params.get("do_remote_decode"):
+            self.sched.arrived(p_names(request.request_id, params))
 
     def build_meta(self, scheduler_output: Any) -> StepMeta:
         """The step's metadata; first hands over the P requests whose prefill this step
@@ -286,6 +299,7 @@ class SchedulerSide:
         self.layers.end(rid)  # (a prompt pushed layer by layer that never completed)
         early = self.sched.handed_over(rid)  # its push may be reading: held, whatever it ended as
         if not early and (not block_ids or not done):
+            self.sched.departed(p_names(rid, params))  # never handed over
             return False, None
         tid = p_key(rid, params)
         prompt = None if early else prompt_print(request)  # (an early one has sent it)

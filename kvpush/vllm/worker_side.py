@@ -169,6 +169,7 @@ class WorkerSide:
             heartbeat_interval_s=self.opts.heartbeat_interval_s,
             handshake_timeout_s=self.opts.handshake_timeout_s,
             registration_ttl_s=self.opts.registration_ttl_s,
+            unknown_request_grace_s=self.opts.unknown_request_grace_s,
             lane_slots=self.opts.lane_slots,
             trusted_decoders=self.opts.trusted,
             shared_secret=self.opts.secret,
@@ -190,6 +191,10 @@ class WorkerSide:
             cfg.port,
             "on" if hook is not None else "off",
         )
+
+    def step_began(self) -> None:
+        if self.worker is not None:
+            self.worker.producer.pairing.step_began()
 
     def start_step(self, meta: StepMeta | None, idle: bool = False) -> None:
         self._idle = idle

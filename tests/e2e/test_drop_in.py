@@ -77,7 +77,7 @@ CASES = {
     mode: [Case(f"{mode}_short", ids(60, 10 + i)), Case(f"{mode}_long", ids(300, 20 + i))]
     for i, mode in enumerate(MODES)
 }
-FAIL_PROMPTS = [Case(f"fail_{i}", ids(100, 40 + i)) for i in range(4)]
+FAIL_PROMPTS = [Case(f"fail_{i}", ids(100, 40 + i)) for i in range(5)]
 
 
 @dataclass
@@ -229,12 +229,14 @@ def elapsed(fn: Callable[[], Reply]) -> tuple[Reply, float]:
 def test_legs_that_can_never_pair_fail_fast(pd: PD) -> None:
     """kvpush only (the in-tree connector waits for its watchdog): a decode leg naming
     another engine id, or a P request that already ended, is failed by P at once; one
+    naming a P request that never comes (a wrong remote_request_id) after P's
+    unknown_request_grace_s (5 s; it waited for registration_ttl_s, 60 s, before); one
     naming a prefiller nobody runs fails at D's handshake timeout (5 s)."""
     if pd.kind != "kvpush":
         pytest.skip("kvpush's fail-fast answers; the in-tree connector has none")
     unpairable = {"cause": "unpairable"}
     before = metric(pd.p.url, "vllm:kvpush_push_failures_total", unpairable)
-    wrong_engine, ended, nobody, ok = FAIL_PROMPTS
+    wrong_engine, ended, nobody, ok, unknown = FAIL_PROMPTS
     rid = uuid.uuid4().hex
     got, took = elapsed(
         lambda: decode_leg(
@@ -250,10 +252,16 @@ def test_legs_that_can_never_pair_fail_fast(pd: PD) -> None:
     got, took = elapsed(lambda: decode_leg(pd, ended, uuid.uuid4().hex, decode_params(pd, p_rid)))
     print(f"failed in {took:.2f} s: {got.status} {got.error[:200]}")
     assert not got.ok and took < 15, (got, took)
+    # A decode leg naming a P request that never comes (no prefill leg is sent).
+    wrong = uuid.uuid4().hex
+    got, took = elapsed(lambda: decode_leg(pd, unknown, uuid.uuid4().hex, decode_params(pd, wrong)))
+    print(f"failed in {took:.2f} s: {got.status} {got.error[:200]}")
+    assert not got.ok and 5 <= took < 15, (got, took)
+    assert f"no request of this prefiller is named 'cmpl-{wrong}-0'" in log_tail(pd.p)
     # P's stats reach /metrics with its engine's steps: an idle P takes one for them.
     assert request(pd.p.url, pd.model, ids(20, 97), max_tokens=2).ok
     wait_until(
-        lambda: metric(pd.p.url, "vllm:kvpush_push_failures_total", unpairable) - before == 2,
+        lambda: metric(pd.p.url, "vllm:kvpush_push_failures_total", unpairable) - before == 3,
         10,
         what="P's count of unpairable registrations",
     )
