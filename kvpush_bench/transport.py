@@ -211,9 +211,11 @@ class _Side:
         return next(iter(self.workers.values()))
 
     def kv_register(self, rid: str, dst: list[int], p_port: int, p_host: str = "127.0.0.1") -> None:
+        from kvpush.core.ids import ANY_ENGINE
         from kvpush.core.types import RecvRegistration, StepMeta
 
-        reg = RecvRegistration(rid, [dst], "bench-p", p_host, p_port, transfer_id=rid)
+        # P runs one worker (engine id) per mode, each on its own port: name no engine.
+        reg = RecvRegistration(rid, [dst], ANY_ENGINE, p_host, p_port, transfer_id=rid)
         self.worker.start_step(StepMeta(registrations=[reg]))
 
     def kv_wait_registered(self, mode: str, n: int, timeout: float = 30.0) -> bool:

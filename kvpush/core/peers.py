@@ -30,10 +30,6 @@ log = logging.getLogger(__name__)
 
 PeerKey = tuple[str, int]
 FAILED_KEPT = 1024  # failed agents remembered (PeerTable.failed)
-# A failed handshake answers everyone who asks for the same address this long (a flood of
-# registrations naming a dead address costs one handshake), then the next asker retries.
-RETRY_S = 1.0
-REFUSALS_KEPT = 1024  # addresses whose failure is remembered (PeerTable.refusals)
 
 
 @dataclass
@@ -86,8 +82,6 @@ class PeerTable:
         self.authenticated = AgentSet()
         # Under way, or ended and not yet loaded; at most one per address.
         self.handshakes: dict[PeerKey, Future[AgentInfo]] = {}
-        # Addresses whose handshake failed lately: (until when, the failed handshake).
-        self.refusals: OrderedDict[PeerKey, tuple[float, Future[AgentInfo]]] = OrderedDict()
         self._per_host = max(1, config.handshake_workers // 2)
         self.write = WriteRoute(self)
         self.copy = CopyRoute(peer_copy, self, self.write) if peer_copy is not None else None
@@ -107,7 +101,7 @@ class PeerTable:
         peer = self.by_key.get(key)
         if peer is not None:
             return peer
-        fut = self.handshakes.get(key) or self._refused(key)
+        fut = self.handshakes.get(key)
         if fut is None:
             full = self._full(host)
             if full:  # costs the asker, at once; nothing is queued behind the busy ones
@@ -141,16 +135,6 @@ class PeerTable:
         self.stats["handshakes"] += 1
         return fut
 
-    def _refused(self, key: PeerKey) -> Future[AgentInfo] | None:
-        """The failed handshake with ``key`` while it still answers for it (RETRY_S)."""
-        got = self.refusals.get(key)
-        if got is None:
-            return None
-        if got[0] > time.monotonic():
-            return got[1]
-        del self.refusals[key]
-        return None
-
     def _full(self, host: str) -> str:
         """Why no new handshake can start now ("" when one can): every pool thread is
         taken, or half of them wait on one host. Linear in the handshakes under way."""
@@ -166,10 +150,6 @@ class PeerTable:
         key = (host, port)
         if self.handshakes.get(key) is fut:
             del self.handshakes[key]
-            if fut.exception() is not None:  # (done: load runs from its callback)
-                self.refusals[key] = (time.monotonic() + RETRY_S, fut)
-                while len(self.refusals) > REFUSALS_KEPT:
-                    self.refusals.popitem(last=False)
         peer = self.by_key.get(key)
         if peer is not None:
             return peer
