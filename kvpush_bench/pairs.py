@@ -349,3 +349,26 @@ def make_pair(name: str, model: str, log_dir: str, **spec: Any) -> Pair:
     if name not in kinds:
         raise ValueError(f"unknown configuration {name!r}; known: {', '.join(kinds)}")
     return kinds[name](model, log_dir, **spec)
+
+
+def start_pairs(pairs: dict[str, Pair], timeout: float = 420) -> dict[str, Pair]:
+    """Start every pair at once (each waits for its own health); if any fails, stop them
+    all and raise with each failure's tail."""
+    errors: dict[str, str] = {}
+
+    def up(name: str) -> None:
+        try:
+            pairs[name].start(timeout=timeout)
+        except Exception as e:  # reported below, after every pair was stopped
+            errors[name] = str(e)[-2000:]
+
+    threads = [threading.Thread(target=up, args=(n,)) for n in pairs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        for p in pairs.values():
+            p.stop()
+        raise RuntimeError(f"contenders failed to start: {errors}")
+    return pairs

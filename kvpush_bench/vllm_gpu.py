@@ -32,7 +32,7 @@ from typing import Any
 from kvpush.core import trace
 from kvpush.tiny_model import make_tiny_model
 from kvpush_bench.engine import prompts_for
-from kvpush_bench.pairs import LABELS, Pair, Sample, make_pair
+from kvpush_bench.pairs import LABELS, Pair, Sample, make_pair, start_pairs
 from kvpush_bench.stages import breakdown, timelines
 from kvpush_bench.stats import ratio, summary
 
@@ -125,7 +125,6 @@ def start_all(args: argparse.Namespace, model: str, configs: list[str]) -> dict[
     """Every contender at once (each waits for its own health); a failed start is fatal."""
     out = Path(args.out)
     pairs: dict[str, Pair] = {}
-    errors: dict[str, str] = {}
     for cfg in configs:
         pair = make_pair(cfg, model, str(out / "logs" / cfg), **_spec(args))
         if cfg.startswith("kvpush"):
@@ -142,23 +141,7 @@ def start_all(args: argparse.Namespace, model: str, configs: list[str]) -> dict[
                 env["PYTHONSAFEPATH"] = "1"  # else `python -m` puts the cwd's kvpush first
             pair.spec["env"] = env
         pairs[cfg] = pair
-
-    def up(cfg: str) -> None:
-        try:
-            pairs[cfg].start(timeout=420)
-        except Exception as e:
-            errors[cfg] = str(e)[-1500:]
-
-    threads = [threading.Thread(target=up, args=(c,)) for c in configs]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        for p in pairs.values():
-            p.stop()
-        raise RuntimeError(f"contenders failed to start: {errors}")
-    return pairs
+    return start_pairs(pairs)
 
 
 def send_batch(pair: Pair, prompts: list[list[int]], args: argparse.Namespace) -> list[Sample]:

@@ -32,7 +32,6 @@ import json
 import os
 import signal
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -47,6 +46,7 @@ from kvpush_bench.pairs import (  # noqa: E402
     Pair,
     PlainPair,
     PullPair,
+    start_pairs,  # noqa: E402
 )
 
 PROXY = str(Path(__file__).resolve().parent / "pd_proxy.py")
@@ -218,24 +218,7 @@ def start_all(args: argparse.Namespace, model: str, names: list[str]) -> dict[st
                 "decode": {**mps, "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": d_pct},
             }
         pairs[name] = pair
-    errors: dict[str, str] = {}
-
-    def up(name: str) -> None:
-        try:
-            pairs[name].start(timeout=420)
-        except Exception as e:  # noqa: BLE001 - reported below, every pair stopped
-            errors[name] = str(e)[-2000:]
-
-    threads = [threading.Thread(target=up, args=(n,)) for n in names]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        for p in pairs.values():
-            p.stop()
-        raise RuntimeError(f"contenders failed to start: {errors}")
-    return pairs
+    return start_pairs(pairs)
 
 
 def bench_argv(
