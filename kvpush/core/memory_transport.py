@@ -38,6 +38,9 @@ class Fabric:
     hold_writes: bool = False  # WRITEs stay PENDING until complete_writes()
     fail_writes: bool = False
     drop: Callable[[str, str, bytes], bool] = lambda sender, target, msg: False
+    # Called by every probe with the agent named (from handshake threads): tests make it
+    # block, as a connection to an address that never answers does, or raise.
+    probe: Callable[[str], None] = lambda agent: None
     lock: threading.RLock = field(default_factory=threading.RLock)
     writes: list[_Write] = field(default_factory=list)
 
@@ -78,6 +81,9 @@ class MemoryTransport(Transport):
         if metadata.decode() != name:
             raise TransportError(f"metadata names {metadata!r}, expected {name!r}")
         self._peers.add(name)
+
+    def probe(self, metadata: bytes) -> None:
+        self.fabric.probe(metadata.decode())  # (outside the lock: it may block)
 
     def remove_peer(self, name: str) -> None:
         with self.fabric.lock:

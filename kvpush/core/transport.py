@@ -40,7 +40,7 @@ class Transport(ABC):
     """One agent: owns registered memory, peers, WRITEs and notifications.
 
     Not thread-safe: after ``register`` every call comes from the ticking thread (the
-    engine's, or the keeper; the worker's lock makes it one at a time).
+    engine's, or the keeper; the worker's lock makes it one at a time), except ``probe``.
     """
 
     agent_name: str
@@ -56,6 +56,12 @@ class Transport(ABC):
     @abstractmethod
     def add_peer(self, name: str, metadata: bytes) -> None:
         """Make ``name`` reachable; replaces an older entry of the same name."""
+
+    @abstractmethod
+    def probe(self, metadata: bytes) -> None:
+        """Connect to the agent ``metadata`` names and drop the connection again; raises
+        TransportError if that fails. Called from handshake threads, so it must not touch
+        this transport's own agent, and it may block as long as a connection attempt."""
 
     @abstractmethod
     def remove_peer(self, name: str) -> None:

@@ -198,6 +198,9 @@ class FaultTransport(Transport):
     def add_peer(self, name: str, metadata: bytes) -> None:
         self.inner.add_peer(name, metadata)
 
+    def probe(self, metadata: bytes) -> None:
+        self.inner.probe(metadata)
+
     def remove_peer(self, name: str) -> None:
         self.inner.remove_peer(name)
 

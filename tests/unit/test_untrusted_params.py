@@ -12,14 +12,17 @@ from typing import Any
 
 import pytest
 
-from kvpush.core.errors import ConfigError, HandshakeError
+from kvpush.core.errors import ConfigError, HandshakeError, TransportError
 from kvpush.core.handshake import fetch_agent_info
+from kvpush.core.memory_transport import MemoryTransport
 from kvpush.core.types import RecvRegistration
+from kvpush.core.worker import make_agent_name
 from kvpush.vllm.config import ConnectorOptions
 from kvpush.vllm.params import MAX_OTHER_ITEMS, BadParams, check_recv_params
 from kvpush.vllm.scheduler_side import SchedulerSide, p_key, transfer_key
+from kvpush_bench.sim.engine import SimEngine, SimSpec
 from tests.conftest import free_port
-from tests.unit.test_push_states import Pair
+from tests.unit.test_push_states import FAST, Pair
 
 GOOD = {"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": 5700}
 
@@ -291,3 +294,41 @@ def test_an_unknown_host_fails_its_handshake_on_the_pool_thread() -> None:
     with pytest.raises(HandshakeError, match="cannot resolve no-such-host.invalid:5700"):
         fetch_agent_info("no-such-host.invalid", 5700, "D", 3.0)
     assert time.monotonic() - started < 2.5
+
+
+def test_a_peer_whose_nixl_address_never_answers_costs_a_handshake_thread(
+    pair_factory: Callable[..., Pair],
+) -> None:
+    """Q answers the handshake, but its NIXL address does not answer (with NIXL: 3 s in
+    add_remote_agent where nobody answers ARP, over 2 min where the path drops packets).
+    That connection is tried on the handshake thread (``probe``), so while it hangs D
+    serves a live prefiller; then Q's requests fail, and D never loads Q on its ticking
+    thread."""
+    pair = pair_factory()
+    q = SimEngine(
+        SimSpec("Q", free_port(), worker=FAST),
+        MemoryTransport(pair.fabric, make_agent_name("Q", 0)),
+    )
+    gate, probing = threading.Event(), threading.Event()
+
+    def probe(agent: str) -> None:
+        if agent.startswith("Q"):
+            probing.set()
+            assert gate.wait(10.0)
+            raise TransportError("connect: No route to host")
+
+    pair.fabric.probe = probe
+    try:
+        pair.d.register("q1", "tq", 2, "Q", "127.0.0.1", q.spec.port)  # type: ignore[arg-type]
+        pair.until(probing.is_set, timeout=5.0, what="Q's probe")
+        pair.p.prefill("p1", "t1", 4)
+        pair.register("d1", "t1", 4)
+        pair.until(lambda: "recv" in pair.d_kinds("d1"), timeout=5.0, what="live receive")
+        assert not failed_reason(pair, "q1")
+        gate.set()
+        pair.until(lambda: bool(failed_reason(pair, "q1")), timeout=5.0, what="q1 failed")
+        assert "cannot be reached" in failed_reason(pair, "q1")
+        assert make_agent_name("Q", 0) not in pair.d.worker.peers.by_agent
+    finally:
+        gate.set()
+        q.close()
