@@ -234,6 +234,17 @@ class WorkerOutput:
         )
 
 
+def addresses(name: str, text: str) -> frozenset[str] | None:
+    """``"host:port,host:port"`` as a set (None when empty); ConfigError naming ``name``
+    for an entry that is not host:port."""
+    entries = frozenset(x.strip() for x in text.split(",") if x.strip())
+    for where in entries:
+        host, _, port = where.rpartition(":")
+        if not host or not port.isdigit():
+            raise ConfigError(f"{name} entry {where!r} is not host:port")
+    return entries or None
+
+
 @dataclass
 class WorkerConfig:
     """Options of one worker (one TP rank). Times in seconds."""
@@ -296,3 +307,5 @@ class WorkerConfig:
             raise ConfigError("handshake_workers must be >= 1")
         if self.late_write_hold_s is not None and not self.late_write_hold_s >= 0:
             raise ConfigError(f"late_write_hold_s must be >= 0, got {self.late_write_hold_s}")
+        if self.trusted_decoders is not None:
+            addresses("trusted_decoders", ",".join(self.trusted_decoders))

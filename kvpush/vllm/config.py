@@ -1,4 +1,10 @@
-"""kvpush's options for vLLM, read from kv_connector_extra_config and the environment."""
+"""kvpush's options for vLLM, read from kv_connector_extra_config and the environment.
+
+One schema: each key is a field of ``ConnectorOptions``; a key the core takes gets its
+default from, and is checked by, the core's own config (``WorkerConfig``, one worker;
+``SchedulerConfig``, leases and watchdogs), so no rule is written twice. Only the keys the
+core does not take are checked here.
+"""
 
 from __future__ import annotations
 
@@ -7,8 +13,9 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from kvpush.core.errors import ConfigError
-from kvpush.core.lane import MAX_SLOTS
+from kvpush.core.scheduler import SchedulerConfig
 from kvpush.core.secret import Secret
+from kvpush.core.types import WorkerConfig, addresses
 
 ENV_HOST = "KVPUSH_SIDE_CHANNEL_HOST"
 ENV_PORT = "KVPUSH_SIDE_CHANNEL_PORT"
@@ -18,6 +25,10 @@ ENV_SECRET = "KVPUSH_SHARED_SECRET"  # from the environment only: configs end up
 ENV_NIXL_HOST = "VLLM_NIXL_SIDE_CHANNEL_HOST"
 ENV_NIXL_PORT = "VLLM_NIXL_SIDE_CHANNEL_PORT"
 
+# The core's defaults, so that they are written once.
+_W: dict[str, Any] = {f.name: f.default for f in fields(WorkerConfig)}
+_S: dict[str, Any] = {f.name: f.default for f in fields(SchedulerConfig)}
+
 
 @dataclass(frozen=True)
 class ConnectorOptions:
@@ -26,18 +37,16 @@ class ConnectorOptions:
     ``side_channel_port`` is rank 0's handshake port; TP rank r listens on port + r.
     """
 
-    side_channel_host: str = "127.0.0.1"
-    side_channel_port: int = 5600
-    lease_s: float = 30.0
-    watchdog_s: float = 30.0
-    heartbeat_interval_s: float = 1.0
-    handshake_timeout_s: float = 5.0
-    registration_ttl_s: float = 60.0
-    unknown_request_grace_s: float = 5.0  # P: refuse a registration naming no request by then
+    side_channel_host: str = _W["host"]
+    side_channel_port: int = _W["port"]
+    lease_s: float = _S["lease_s"]
+    watchdog_s: float = _S["watchdog_s"]
+    heartbeat_interval_s: float = _W["heartbeat_interval_s"]
+    handshake_timeout_s: float = _W["handshake_timeout_s"]
+    registration_ttl_s: float = _W["registration_ttl_s"]
+    unknown_request_grace_s: float = _W["unknown_request_grace_s"]
     peer_copy: str = "auto"  # CUDA IPC copy into same-host decoders: auto (CUDA+CuPy), on, off
-    # Words of the completion lane a decoder offers same-host copies (0: completions over
-    # NIXL only); see kvpush/core/lane.py.
-    lane_slots: int = 1 << 16
+    lane_slots: int = _W["lane_slots"]
     # Push a one-token prefill layer by layer while its forward runs when its prompt has
     # at least this many tokens (0: never); only without the peer-copy hook.
     layerwise_min_tokens: int = 0
@@ -53,21 +62,45 @@ class ConnectorOptions:
 
     @property
     def trusted(self) -> frozenset[str] | None:
-        names = [x.strip() for x in self.trusted_decoders.split(",") if x.strip()]
-        return frozenset(names) if names else None
+        return addresses("trusted_decoders", self.trusted_decoders)
 
     @property
     def trusted_p(self) -> frozenset[str] | None:
-        names = [x.strip() for x in self.trusted_prefillers.split(",") if x.strip()]
-        return frozenset(names) if names else None
+        return addresses("trusted_prefillers", self.trusted_prefillers)
 
     @property
     def hold_s(self) -> float | None:
-        return None if self.late_write_hold_s == "auto" else float(self.late_write_hold_s)
+        if self.late_write_hold_s == "auto":
+            return None
+        try:
+            return float(self.late_write_hold_s)
+        except ValueError:
+            raise ConfigError("late_write_hold_s must be 'auto' or seconds >= 0") from None
 
     @property
     def secret(self) -> Secret | None:
         return self.shared_secret
+
+    def worker_config(self, engine_id: str, tp_rank: int = 0, tp_size: int = 1) -> WorkerConfig:
+        """One rank's worker config (raises ConfigError for a value out of range)."""
+        return WorkerConfig(
+            engine_id=engine_id,
+            host=self.side_channel_host,
+            port=self.side_channel_port + tp_rank,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            heartbeat_interval_s=self.heartbeat_interval_s,
+            handshake_timeout_s=self.handshake_timeout_s,
+            registration_ttl_s=self.registration_ttl_s,
+            unknown_request_grace_s=self.unknown_request_grace_s,
+            lane_slots=self.lane_slots,
+            trusted_decoders=self.trusted,
+            shared_secret=self.secret,
+            late_write_hold_s=self.hold_s,
+        )
+
+    def scheduler_config(self) -> SchedulerConfig:
+        return SchedulerConfig(self.lease_s, self.watchdog_s)
 
     @classmethod
     def parse(
@@ -103,37 +136,15 @@ class ConnectorOptions:
                     f"kvpush option {key}={value!r} is not a {kind.__name__}"
                 ) from None
         opts = cls(**out)
-        if not 0 < opts.side_channel_port < 65536:
-            raise ConfigError(f"side_channel_port {opts.side_channel_port} out of range")
-        for name in (
-            "lease_s",
-            "watchdog_s",
-            "heartbeat_interval_s",
-            "handshake_timeout_s",
-            "registration_ttl_s",
-            "unknown_request_grace_s",
-        ):
-            if not getattr(opts, name) > 0:
-                raise ConfigError(f"kvpush option {name} must be > 0")
-        for name, entries in (
-            ("trusted_decoders", opts.trusted),
-            ("trusted_prefillers", opts.trusted_p),
-        ):
-            for where in entries or ():
-                host, _, port = where.rpartition(":")
-                if not host or not port.isdigit():
-                    raise ConfigError(f"{name} entry {where!r} is not host:port")
-        if opts.peer_copy not in ("auto", "on", "off"):
-            raise ConfigError("peer_copy must be 'auto', 'on' or 'off'")
-        if opts.late_write_hold_s != "auto":
-            try:
-                hold = float(opts.late_write_hold_s)
-            except ValueError:
-                hold = -1.0
-            if not hold >= 0:
-                raise ConfigError("late_write_hold_s must be 'auto' or seconds >= 0")
-        if opts.layerwise_min_tokens < 0:
-            raise ConfigError("layerwise_min_tokens must be >= 0")
-        if not 0 <= opts.lane_slots <= MAX_SLOTS:
-            raise ConfigError(f"lane_slots must be in [0, {MAX_SLOTS}]")
+        opts.check()
         return opts
+
+    def check(self) -> None:
+        """ConfigError for a value out of range: the core's configs check what they take."""
+        self.worker_config("check")
+        self.scheduler_config()
+        self.trusted_p  # noqa: B018 (the property raises for an entry that is not host:port)
+        if self.peer_copy not in ("auto", "on", "off"):
+            raise ConfigError("peer_copy must be 'auto', 'on' or 'off'")
+        if self.layerwise_min_tokens < 0:
+            raise ConfigError("layerwise_min_tokens must be >= 0")

@@ -13,7 +13,7 @@ from typing import Any
 
 from kvpush.core import trace
 from kvpush.core.ids import ANY_ENGINE, base_request_id
-from kvpush.core.scheduler import PushScheduler, SchedulerConfig
+from kvpush.core.scheduler import PushScheduler
 from kvpush.core.types import RecvRegistration, StepMeta, WorkerOutput
 from kvpush.core.wire import PromptPrint, fingerprint
 from kvpush.vllm.config import ConnectorOptions
@@ -152,7 +152,7 @@ class SchedulerSide:
         self.is_producer = is_producer
         self.is_consumer = is_consumer
         self.tp_size = tp_size
-        self.sched = PushScheduler(SchedulerConfig(opts.lease_s, opts.watchdog_s))
+        self.sched = PushScheduler(opts.scheduler_config())
         self.layers = LayerPlan(self.sched, opts.layerwise_min_tokens, block_size)
         # P requests allocated in the step being scheduled: build_meta may hand them over.
         self._new_p: dict[str, Any] = {}

@@ -11,7 +11,7 @@ from typing import Any
 from kvpush.core import trace
 from kvpush.core.errors import ConfigError
 from kvpush.core.layout import KVLayout, Region
-from kvpush.core.types import StagedBlocks, StepMeta, WorkerConfig
+from kvpush.core.types import StagedBlocks, StepMeta
 from kvpush.core.worker import PushWorker, make_agent_name
 from kvpush.gpu.peer_copy import make_peer_copy
 from kvpush.vllm.config import ConnectorOptions
@@ -160,21 +160,7 @@ class WorkerSide:
         layout = layout_from_tensors(
             kv_caches, num_blocks, block_size, self.tp_rank, self.tp_size, mla
         )
-        cfg = WorkerConfig(
-            engine_id=self.engine_id,
-            host=self.opts.side_channel_host,
-            port=self.opts.side_channel_port + self.tp_rank,
-            tp_rank=self.tp_rank,
-            tp_size=self.tp_size,
-            heartbeat_interval_s=self.opts.heartbeat_interval_s,
-            handshake_timeout_s=self.opts.handshake_timeout_s,
-            registration_ttl_s=self.opts.registration_ttl_s,
-            unknown_request_grace_s=self.opts.unknown_request_grace_s,
-            lane_slots=self.opts.lane_slots,
-            trusted_decoders=self.opts.trusted,
-            shared_secret=self.opts.secret,
-            late_write_hold_s=self.opts.hold_s,
-        )
+        cfg = self.opts.worker_config(self.engine_id, self.tp_rank, self.tp_size)
         self._cuda = layout.mem_type == "VRAM"
         transport = NixlTransport(make_agent_name(self.engine_id, self.tp_rank))
         hook = make_peer_copy(self.opts.peer_copy, list(kv_caches.values()))

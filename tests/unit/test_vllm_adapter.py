@@ -295,3 +295,23 @@ def test_connector_meta_marks_steps_without_tokens() -> None:
     busy = SimpleNamespace(total_num_scheduled_tokens=7, scheduled_new_reqs=[])
     assert conn.build_connector_meta(empty).idle
     assert not conn.build_connector_meta(busy).idle
+
+
+def test_every_option_is_documented_once_with_its_default() -> None:
+    """operating.md's table of connector options is the schema's: one row per key, in
+    ConnectorOptions, with the default the core gives it."""
+    import dataclasses
+    import re
+    from pathlib import Path
+
+    table = Path(__file__).parents[2] / "docs" / "operating.md"
+    rows = re.findall(r"^\| `(\w+)` \| ([^|]+) \|", table.read_text(), re.M)
+    documented = {key: default.strip() for key, default in rows}
+    keys = {f.name for f in dataclasses.fields(ConnectorOptions)} - {"shared_secret"}
+    assert len(rows) >= len(keys) and keys <= set(documented), keys - set(documented)
+    defaults = ConnectorOptions()
+    for key in keys:
+        value = getattr(defaults, key)
+        expected = "empty:" if value == "" else value if isinstance(value, str) else f"{value:g}"
+        first_word = documented[key].replace("`", "").split(",")[0].split(" ")[0]
+        assert first_word == expected, (key, documented[key])
