@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import io
+import json
+import tarfile
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -57,6 +60,25 @@ def test_failed_run_is_not_a_pass() -> None:
     report = _load("load_report")
     rows = report.targets({8.0: {"plain": _run(30, 60, 4.0), "kvpush": {"error": "timeout"}}})
     assert rows[0]["ttft_p50_ok"] is None and rows[0]["no_failures_ok"] is False
+
+
+def test_summary_from_the_folder_or_its_archive(tmp_path: Path) -> None:
+    """docs/load/ keeps a run's summary.json packed in vllm-results.tar.gz; a fresh run's
+    folder has it as a file. Both read the same, the archive also when named itself."""
+    report = _load("load_report")
+    summary = {"labels": ["plain"], "mixes": [], "runs": []}
+    data = json.dumps(summary).encode()
+    (tmp_path / "fresh").mkdir()
+    (tmp_path / "fresh" / "summary.json").write_bytes(data)
+    (tmp_path / "docs").mkdir()
+    with tarfile.open(tmp_path / "docs" / report.ARCHIVE, "w:gz") as tar:
+        info = tarfile.TarInfo("summary.json")
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+    assert report.read_summary(tmp_path / "fresh") == summary
+    assert report.read_summary(tmp_path / "docs") == summary
+    assert report.main([str(tmp_path / "docs" / report.ARCHIVE)]) == 0
+    assert json.loads((tmp_path / "docs" / "targets.json").read_text()) == {}
 
 
 def test_proxy_legs() -> None:
