@@ -67,3 +67,10 @@ def test_every_docs_file_is_referenced() -> None:
             continue
         orphans.append(rel)
     assert not orphans, "files under docs/ that no page names: " + ", ".join(orphans)
+
+
+def test_docs_stay_small() -> None:
+    """Only current results live in docs/ (history is in git): under 1.5 MB (issue 40)."""
+    files = [p for p in (ROOT / "docs").rglob("*") if p.is_file()]
+    total = sum(p.stat().st_size for p in files)
+    assert total < 1_500_000, f"docs/ holds {total:,} bytes in {len(files)} files"
