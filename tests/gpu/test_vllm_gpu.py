@@ -171,7 +171,7 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
     with ThreadPoolExecutor(len(pairs)) as pool:
         list(pool.map(lambda p: p.start(timeout=420), pairs.values()))
     try:
-        yield {"model": model, **pairs}
+        yield {"model": model, "refs": {}, **pairs}
     finally:
         for p in pairs.values():
             p.stop()
@@ -187,7 +187,13 @@ def _check(servers: dict[str, Any], case: Case, got: Reply, exact: bool = True) 
     """kvpush's output against NixlConnector's (exactly, or up to a near tie) and its
     first token against one plain server's; True when the tokens were all equal."""
     model, pl = servers["model"], servers["pull"]
-    ref, top = pull(pl.p.url, pl.d.url, model, case)
+    # NixlConnector's first answer to the case: sent again, its prefix cache gives other
+    # bf16 numerics (on one H100 a second "short" flipped its fourth token), so every
+    # contender is held to the same answer.
+    refs = servers["refs"]
+    if case.name not in refs:
+        refs[case.name] = pull(pl.p.url, pl.d.url, model, case)
+    ref, top = refs[case.name]
     plain = _tokens(send(servers["plain"].server.url, model, case))
     mine = _tokens(got)
     assert mine[0] == plain[0] or same_or_near_tie(mine[:1], plain[:1], top), case.name
