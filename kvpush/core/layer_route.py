@@ -21,9 +21,9 @@ import numpy as np
 from kvpush.core import trace, wire
 from kvpush.core.errors import LayoutError, PeerGoneError, TransportError
 from kvpush.core.layers import LayerFeed
-from kvpush.core.layout import KVLayout
+from kvpush.core.layout import KVLayout, RegionPair
 from kvpush.core.records import Flight, PushTransfer
-from kvpush.core.routing import RegionPair, build_pair_descs
+from kvpush.core.routing import build_pair_descs
 from kvpush.core.transport import WriteState, row_bytes
 
 if TYPE_CHECKING:

@@ -19,10 +19,10 @@ import numpy as np
 from kvpush.core.copy_route import CopyRoute
 from kvpush.core.errors import HandshakeError, TransportError
 from kvpush.core.handshake import AgentInfo, AgentSet
-from kvpush.core.layout import KVLayout
+from kvpush.core.layout import KVLayout, RegionPair
 from kvpush.core.peer_copy import PeerCopyHook
 from kvpush.core.route import Route, WriteRoute
-from kvpush.core.routing import RegionPair, pair_regions
+from kvpush.core.routing import pair_regions
 from kvpush.core.transport import Transport
 from kvpush.core.types import WorkerConfig
 

@@ -12,9 +12,9 @@ import numpy as np
 
 from kvpush.core import layer_route, wire
 from kvpush.core.errors import LayoutError, PeerGoneError, TransportError
-from kvpush.core.layout import validate_block_ids
+from kvpush.core.layout import RegionPair, validate_block_ids
 from kvpush.core.records import Armed, Flight, PendingReg, PushTransfer, source_blocks
-from kvpush.core.routing import RegionPair, build_pair_descs
+from kvpush.core.routing import build_pair_descs
 from kvpush.core.transport import Rows, WriteState, row_bytes
 from kvpush.core.types import StagedBlocks
 
