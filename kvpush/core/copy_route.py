@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from typing import TYPE_CHECKING
 
 import msgspec
 import numpy as np
@@ -20,14 +19,19 @@ from kvpush.core.errors import LayoutError, PeerGoneError, TransportError
 from kvpush.core.lane import CompletionLane
 from kvpush.core.layout import group_limits
 from kvpush.core.peer_copy import PeerCopyHook, Signal, copy_dst, copy_src, single_src
-from kvpush.core.records import Armed, Flight, PendingReg, PushTransfer, source_blocks
-from kvpush.core.route import Route
+from kvpush.core.peers import Peer, PeerTable
+from kvpush.core.records import (
+    Armed,
+    Declined,
+    Flight,
+    PendingReg,
+    PushTransfer,
+    Route,
+    source_blocks,
+)
 from kvpush.core.routing import block_pieces
 from kvpush.core.transport import WriteState
 from kvpush.core.types import StagedBlocks
-
-if TYPE_CHECKING:
-    from kvpush.core.peers import Peer, PeerTable
 
 log = logging.getLogger(__name__)
 
@@ -35,10 +39,9 @@ log = logging.getLogger(__name__)
 class CopyRoute(Route):
     posts, units = "copies", "copy_blocks"
 
-    def __init__(self, hook: PeerCopyHook, peers: PeerTable, write: Route) -> None:
+    def __init__(self, hook: PeerCopyHook, peers: PeerTable) -> None:
         self.hook = hook
         self.peers = peers  # its transport (completions after a copy), config and stats
-        self.write = write  # a declined peer's route
         self.limits = group_limits(peers.layout)  # ours: ids of group g lie below limits[g]
         self.stats = peers.stats
 
@@ -47,12 +50,12 @@ class CopyRoute(Route):
             armed = self.prepare(peer, reg, dst)
         except (LayoutError, wire.WireError):
             return None  # the post meets it again and fails the leg with the reason
-        self.stats["copy_armed"] += armed is not None
+        self.stats["copy_armed"] += 1
         return armed
 
-    def prepare(self, peer: Peer, reg: wire.PushReg, dst: list[np.ndarray]) -> Armed | None:
-        """D's half of a copy, checked and handed to the hook; None: declined, the peer
-        WRITEs from now on. Raises LayoutError for ids outside D's layout."""
+    def prepare(self, peer: Peer, reg: wire.PushReg, dst: list[np.ndarray]) -> Armed:
+        """D's half of a copy, checked and handed to the hook. Raises Declined (the peer
+        WRITEs from now on: core/routes.py), LayoutError for ids outside D's layout."""
         exported = peer.info.peer_copy
         assert exported is not None
         signal = None
@@ -69,20 +72,15 @@ class CopyRoute(Route):
         except Exception as e:  # nothing was written: the WRITE still can be
             log.warning("direct copy to %s cannot be prepared (%s); writing instead", peer.agent, e)
             handle = None
-        if handle is None:
-            # Another host, no mapping, memory D did not export: none of it changes
-            # while this peer lives, so later transfers go straight to the WRITE.
-            peer.route = self.write
-            self.stats["copy_declined"] += 1
-            return None
+        if handle is None:  # another host, no mapping, memory D did not export
+            raise Declined(peer.agent)
         return Armed(self, peer.agent, cd, handle)
 
-    def launch(self, armed: Armed, pend: PendingReg, staged: StagedBlocks) -> Flight | None:
+    def launch(
+        self, armed: Armed, pend: PendingReg, staged: StagedBlocks, peer: Peer
+    ) -> Flight | None:
         # Kept short: it runs on cold caches at the end of a prefill.
         reg = pend.reg
-        peer = self.peers.get(reg.decode_host, reg.decode_port)
-        if peer is None or peer.agent != armed.agent or peer.route is not self:
-            return None
         assert armed.dst is not None
         try:
             limits, blocks = self.limits, staged.block_ids
@@ -106,9 +104,7 @@ class CopyRoute(Route):
         assert t.reg is not None
         armed, t.armed = t.armed, None
         if armed is None or armed.agent != peer.agent or armed.route is not self:
-            armed = self.prepare(peer, t.reg, t.dst)
-            if armed is None:
-                return peer.route.post(t, peer)  # declined: the WRITE route's from now on
+            armed = self.prepare(peer, t.reg, t.dst)  # (Declined: routes.py WRITEs it)
         assert armed.dst is not None
         ids, nbytes = copy_src(self.limits, armed.dst, source_blocks(t.dst, t.blocks))
         try:

@@ -9,15 +9,12 @@ the numpy path's, in the same order (tests/unit/test_routing.py).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-from kvpush.core.layout import KVLayout
+from kvpush.core.layout import KVLayout, RegionPair
 from kvpush.core.transport import Rows
-
-if TYPE_CHECKING:
-    from kvpush.core.routing import RegionPair
 
 SHORT_ROWS = 64  # up to this many descriptors, builtins beat numpy's per-call cost
 

@@ -1,34 +1,31 @@
 """P's NIXL WRITEs of a leg pushed layer by layer (``PRequest.feed``, core/layers.py).
 
-The WRITE route hands such a leg here: ``start`` makes its flight and posts every piece
-already written (a registration that came late catches up), and each ``advance`` (the
-route's poll, at every tick) posts the pieces written since, in order, then checks the
-WRITEs in flight. The leg stays WRITING until the feed is closed and every posted WRITE
-is DONE; then P sends D the one completion notification a whole-request WRITE carries,
-so D sees no difference. The first failed WRITE, a post that fails, a feed the engine
-gave up, or D's cancel stops further posts; the leg then ends (ERROR, one PUSH_FAIL)
-once the WRITEs already posted have ended, since until then they may write D's blocks.
+Such a leg takes this route where its peer's is the WRITE (core/routes.py): ``post``
+makes its flight and posts every piece already written (a registration that came late
+catches up), and each ``poll`` (at every tick) posts the pieces written since, in order,
+then checks the WRITEs in flight. The leg stays WRITING until the feed is closed and
+every posted WRITE is DONE; then P sends D the one completion notification a
+whole-request WRITE carries, so D sees no difference. The first failed WRITE, a post
+that fails, a feed the engine gave up, or D's cancel stops further posts; the leg then
+ends (ERROR, one PUSH_FAIL) once the WRITEs already posted have ended, since until then
+they may write D's blocks.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from kvpush.core import trace, wire
 from kvpush.core.errors import LayoutError, PeerGoneError, TransportError
 from kvpush.core.layers import LayerFeed
-from kvpush.core.layout import KVLayout
-from kvpush.core.records import Flight, PushTransfer
-from kvpush.core.routing import RegionPair, build_pair_descs
+from kvpush.core.layout import KVLayout, RegionPair
+from kvpush.core.peers import Peer, PeerTable
+from kvpush.core.records import Flight, PushTransfer, Route
+from kvpush.core.routing import build_pair_descs
 from kvpush.core.transport import WriteState, row_bytes
-
-if TYPE_CHECKING:
-    from kvpush.core.peers import Peer, PeerTable
-    from kvpush.core.route import Route
 
 log = logging.getLogger(__name__)
 
@@ -48,59 +45,70 @@ class LayerWrites:
     error: str = ""
 
 
-def start(route: Route, peers: PeerTable, t: PushTransfer, peer: Peer) -> Flight:
-    """The leg's flight, with every piece written so far posted. Raises LayoutError or
-    WireError for an invalid registration, TransportError when a post fails."""
-    assert t.preq is not None and t.preq.feed is not None and t.reg is not None
-    feed = t.preq.feed
-    pairs = peers.pairs_to(peer)
-    if len(t.dst) != len(feed.total):
-        raise LayoutError(f"{len(t.dst)} block groups, P holds {len(feed.total)}")
-    skip = []
-    for g, (d_ids, n) in enumerate(zip(t.dst, feed.total, strict=True)):
-        if len(d_ids) > n:
-            raise LayoutError(f"group {g}: D registered {len(d_ids)} blocks, P holds {n}")
-        skip.append(n - len(d_ids))
-    by_layer: dict[str, list[RegionPair]] | None = {}
-    for pair in pairs:
-        region = peers.layout.regions[pair.src]
-        if len(region.members) != 1 or by_layer is None:
-            by_layer = None  # a WRITE would carry layers not written yet: whole at the end
-            continue
-        by_layer.setdefault(region.members[0], []).append(pair)
-    lw = LayerWrites(feed, t, peer.info.layout, by_layer, pairs, skip)
-    f = Flight(route, lw, peer.agent, 0, 0, notice=t.reg.request_id)
-    _post_ready(peers, f, lw)  # a failure here ends the leg at its first poll
-    return f
+class LayerRoute(Route):
+    """The WRITE route's form for a leg with a feed: a WRITE per written layer."""
 
+    posts, units = "writes", "write_descs"
+    stopped_by_forget = True  # NIXL ends a removed peer's WRITEs in error
 
-def advance(peers: PeerTable, f: Flight) -> WriteState:
-    """Post what became ready, check what is in flight; the leg's state as ``Route.poll``."""
-    lw = f.handle
-    assert isinstance(lw, LayerWrites)
-    if not lw.error and not lw.leg.cancelled:
-        _post_ready(peers, f, lw)
-    _check(peers, f, lw)
-    if lw.handles:
-        return WriteState.PENDING
-    feed = lw.feed
-    complete = feed.closed and not feed.failed and lw.posted == len(feed.pieces)
-    if lw.error or (lw.leg.cancelled and not complete):
-        f.error = lw.error or "cancelled"
-        return WriteState.ERROR
-    if not complete:
-        return WriteState.PENDING
-    assert lw.leg.reg is not None
-    notif = wire.encode_completion(lw.leg.reg.request_id, peers.config.tp_size)
-    try:
-        peers.transport.send_notif(f.agent, notif)
-    except TransportError as e:
-        f.error = f"completion could not be sent: {e}"
-        return WriteState.ERROR
-    peers.stats["writes_done"] += 1
-    if trace.ON:
-        trace.mark("p_layer.completion", lw.leg.tid, lw.leg.prid, lw.posted)
-    return WriteState.DONE
+    def __init__(self, peers: PeerTable) -> None:
+        self.peers = peers  # its transport, our layout, config and stats
+
+    def post(self, t: PushTransfer, peer: Peer) -> Flight:
+        """The leg's flight, with every piece written so far posted. Raises LayoutError or
+        WireError for an invalid registration, TransportError when a post fails."""
+        assert t.preq is not None and t.preq.feed is not None and t.reg is not None
+        peers, feed = self.peers, t.preq.feed
+        pairs = peers.pairs_to(peer)
+        if len(t.dst) != len(feed.total):
+            raise LayoutError(f"{len(t.dst)} block groups, P holds {len(feed.total)}")
+        skip = []
+        for g, (d_ids, n) in enumerate(zip(t.dst, feed.total, strict=True)):
+            if len(d_ids) > n:
+                raise LayoutError(f"group {g}: D registered {len(d_ids)} blocks, P holds {n}")
+            skip.append(n - len(d_ids))
+        by_layer: dict[str, list[RegionPair]] | None = {}
+        for pair in pairs:
+            region = peers.layout.regions[pair.src]
+            if len(region.members) != 1 or by_layer is None:
+                by_layer = None  # a WRITE would carry layers not written yet: whole at the end
+                continue
+            by_layer.setdefault(region.members[0], []).append(pair)
+        lw = LayerWrites(feed, t, peer.info.layout, by_layer, pairs, skip)
+        f = Flight(self, lw, peer.agent, 0, 0, notice=t.reg.request_id)
+        _post_ready(peers, f, lw)  # a failure here ends the leg at its first poll
+        return f
+
+    def poll(self, f: Flight) -> WriteState:
+        """Post what became ready, check what is in flight."""
+        peers, lw = self.peers, f.handle
+        assert isinstance(lw, LayerWrites)
+        if not lw.error and not lw.leg.cancelled:
+            _post_ready(peers, f, lw)
+        _check(peers, f, lw)
+        if lw.handles:
+            return WriteState.PENDING
+        feed = lw.feed
+        complete = feed.closed and not feed.failed and lw.posted == len(feed.pieces)
+        if lw.error or (lw.leg.cancelled and not complete):
+            f.error = lw.error or "cancelled"
+            return WriteState.ERROR
+        if not complete:
+            return WriteState.PENDING
+        assert lw.leg.reg is not None
+        notif = wire.encode_completion(lw.leg.reg.request_id, peers.config.tp_size)
+        try:
+            peers.transport.send_notif(f.agent, notif)
+        except TransportError as e:
+            f.error = f"completion could not be sent: {e}"
+            return WriteState.ERROR
+        peers.stats["writes_done"] += 1
+        if trace.ON:
+            trace.mark("p_layer.completion", lw.leg.tid, lw.leg.prid, lw.posted)
+        return WriteState.DONE
+
+    def release(self, f: Flight) -> None:
+        """Nothing: each of its WRITEs is released as it ends."""
 
 
 def _post_ready(peers: PeerTable, f: Flight, lw: LayerWrites) -> None:

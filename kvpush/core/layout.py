@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import array
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Annotated, Literal
 
 import msgspec
@@ -93,11 +94,23 @@ class KVLayout(msgspec.Struct, frozen=True):
         return 1 + max(r.group for r in self.regions)
 
 
-def check_compatible(local: KVLayout, remote: KVLayout) -> None:
-    """Raise LayoutError unless blocks can be written from ``local`` into ``remote``."""
-    from kvpush.core.routing import pair_regions
+@dataclass(frozen=True)
+class Segment:
+    """Bytes ``[src_off, src_off + length)`` of a P block go to ``dst_off`` of a D block."""
 
-    pair_regions(local, remote)
+    src_off: int
+    dst_off: int
+    length: int
+
+
+@dataclass(frozen=True)
+class RegionPair:
+    """P's region ``src`` into D's region ``dst`` (made by routing.pair_regions)."""
+
+    src: int  # index of P's region
+    dst: int  # index of D's region
+    whole: bool  # the whole logical block (any physical split); else ``segments``
+    segments: tuple[Segment, ...] = ()
 
 
 SHORT_IDS = 256  # up to this many ids, builtins beat numpy's per-call cost

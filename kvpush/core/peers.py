@@ -16,13 +16,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvpush.core.copy_route import CopyRoute
 from kvpush.core.errors import HandshakeError, TransportError
 from kvpush.core.handshake import AgentInfo, AgentSet
-from kvpush.core.layout import KVLayout
+from kvpush.core.layout import KVLayout, RegionPair
 from kvpush.core.peer_copy import PeerCopyHook
-from kvpush.core.route import Route, WriteRoute
-from kvpush.core.routing import RegionPair, pair_regions
+from kvpush.core.routing import pair_regions
 from kvpush.core.transport import Transport
 from kvpush.core.types import WorkerConfig
 
@@ -36,7 +34,7 @@ FAILED_KEPT = 1024  # failed agents remembered (PeerTable.failed)
 class Peer:
     key: PeerKey
     info: AgentInfo
-    route: Route  # how our bytes reach it (core/route.py)
+    copy_declined: bool = False  # our peer-copy hook cannot reach it (core/routes.py)
     pairs: list[RegionPair] | None = None  # our regions into the peer's, once computed
     # For the copy route, once: the pairs as block_pieces rows, its layout's group_limits.
     pieces: np.ndarray | None = None
@@ -83,8 +81,6 @@ class PeerTable:
         # Under way, or ended and not yet loaded; at most one per address.
         self.handshakes: dict[PeerKey, Future[AgentInfo]] = {}
         self._per_host = max(1, config.handshake_workers // 2)
-        self.write = WriteRoute(self)
-        self.copy = CopyRoute(peer_copy, self, self.write) if peer_copy is not None else None
         self._executor = ThreadPoolExecutor(config.handshake_workers, "kvpush-handshake")
 
     def close(self) -> None:
@@ -175,10 +171,7 @@ class PeerTable:
             return old
         self.transport.add_peer(info.agent_name, info.nixl_metadata)
         self.failed.pop(info.agent_name, None)  # connected again
-        # The route for good, unless the copy is declined (CopyRoute.prepare) or the peer
-        # is forgotten: met again, it is chosen again.
-        copy = self.copy if info.peer_copy is not None else None
-        peer = Peer(key, info, copy or self.write)
+        peer = Peer(key, info)  # (a new Peer: its route is chosen afresh, core/routes.py)
         self.by_key[key] = peer
         self.by_agent[info.agent_name] = peer
         self.heard[info.agent_name] = time.monotonic()  # the handshake is a sign of life

@@ -196,7 +196,7 @@ class Producer:
             group.regs[rank] = pend
         peer = self.s.peers.get(reg.decode_host, reg.decode_port)
         if peer is not None and peer.agent == sender and self._feeds(reg):
-            pend.armed = peer.route.arm(peer, reg, pend.dst)  # while P's blocks are not ready
+            pend.armed = self.sender.arm(peer, reg, pend.dst)  # while P's blocks are not ready
         # Handshake with D now, so the WRITE can start the moment P's blocks are ready.
         self._prefetch(reg.decode_host, reg.decode_port)
 

@@ -1,5 +1,6 @@
 """The record of one transfer on each side: P's leg (``PushTransfer``, with the request
-it belongs to and what waits for it) and D's receive (``RecvTransfer``).
+it belongs to and what waits for it) and D's receive (``RecvTransfer``); and ``Route``,
+the interface a leg's bytes go through (here, so that a leg can name what posted it).
 
 Each record carries its own state, its legal moves (``MOVES``, checked by
 ``types.transition``) and ``poll()``; the producer and consumer keep them in their
@@ -11,7 +12,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -19,10 +20,9 @@ from kvpush.core import wire
 from kvpush.core.errors import LayoutError
 from kvpush.core.layers import LayerFeed
 from kvpush.core.peer_copy import CopyDst
-from kvpush.core.types import POLL, Moves, Poll, RecvRegistration, State
-
-if TYPE_CHECKING:
-    from kvpush.core.route import Route
+from kvpush.core.peers import Peer
+from kvpush.core.transport import WriteState
+from kvpush.core.types import POLL, Moves, Poll, RecvRegistration, StagedBlocks, State
 
 DKey = tuple[str, str]  # (D agent that registered, D request id)
 
@@ -52,6 +52,44 @@ class Flight:
     # The connection to the agent broke (NIXL's remote disconnect): the sender drops it once
     # the failure is told, so the next push connects afresh instead of failing on it.
     gone: bool = False
+
+
+class Declined(Exception):
+    """The copy route's hook declined a peer: it takes the WRITE route (core/routes.py)."""
+
+
+class Route:
+    """P's way into one peer's blocks (core/route.py, copy_route.py, layer_route.py),
+    called by the sender alone, through its chooser (core/routes.py): ``arm`` when D
+    registers, ``post`` the leg when P's blocks are ready, ``poll`` the ``Flight`` it got
+    until it ends, then ``release`` it."""
+
+    posts = units = ""  # counters: legs posted, and what they moved (descriptors, blocks)
+    stopped_by_forget = False  # forgetting the peer ends a posted leg (in error)
+
+    def arm(self, peer: Peer, reg: wire.PushReg, dst: list[np.ndarray]) -> Armed | None:
+        """D registered before P's blocks are ready: prepare what can be (optional)."""
+        return None
+
+    def launch(
+        self, armed: Armed, pend: PendingReg, staged: StagedBlocks, peer: Peer
+    ) -> Flight | None:
+        """Post an armed leg before the producer's bookkeeping (``Sender.launch_armed``);
+        None when a check might fail: the leg then takes ``post``."""
+        return None
+
+    def post(self, t: PushTransfer, peer: Peer) -> Flight | None:
+        """Start moving the leg's bytes; None: not yet, P's blocks still follow device work
+        (``settled``; the sender asks again at each tick). Raises TransportError with the
+        reason to fail the leg, LayoutError or WireError for an invalid registration."""
+        raise NotImplementedError
+
+    def poll(self, f: Flight) -> WriteState:
+        """PENDING; DONE (D has been or will be told); ERROR (``f.error`` says why)."""
+        raise NotImplementedError
+
+    def release(self, f: Flight) -> None:
+        """Free what a flight holds, once ``poll`` gave its outcome."""
 
 
 @dataclass

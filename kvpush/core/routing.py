@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -25,6 +24,8 @@ from kvpush.core.layout import (
     SHORT_IDS,
     KVLayout,
     Region,
+    RegionPair,
+    Segment,
     as_ids,
     coalesce,
     coalesce_equal,
@@ -35,23 +36,6 @@ from kvpush.core.layout import (
     validate_block_ids,
 )
 from kvpush.core.transport import Rows
-
-
-@dataclass(frozen=True)
-class Segment:
-    """Bytes ``[src_off, src_off + length)`` of a P block go to ``dst_off`` of a D block."""
-
-    src_off: int
-    dst_off: int
-    length: int
-
-
-@dataclass(frozen=True)
-class RegionPair:
-    src: int  # index of P's region
-    dst: int  # index of D's region
-    whole: bool  # the whole logical block (any physical split); else ``segments``
-    segments: tuple[Segment, ...] = ()
 
 
 @functools.lru_cache(maxsize=256)
@@ -72,6 +56,11 @@ def d_sources(d_rank: int, d_tp: int, p_tp: int, attention: str) -> list[int]:
 def _overlap(i: int, a: int, j: int, b: int) -> bool:
     # Head ranges [i/a, (i+1)/a) and [j/b, (j+1)/b) of the whole, scaled by a*b.
     return i * b < (j + 1) * a and j * a < (i + 1) * b
+
+
+def check_compatible(local: KVLayout, remote: KVLayout) -> None:
+    """Raise LayoutError unless blocks can be written from ``local`` into ``remote``."""
+    pair_regions(local, remote)
 
 
 def pair_regions(p: KVLayout, d: KVLayout) -> list[RegionPair]:

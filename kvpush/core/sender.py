@@ -1,10 +1,13 @@
-"""P's one path for a matched leg: post it on its peer's route, then poll it to its end.
+"""P's one path for a matched leg: post it on its route, then poll it to its end.
 
-``push`` takes a MATCHED (or DEFERRED) leg: it waits for the handshake with D if need
-be, then posts the leg on the peer's route (core/route.py: the same-host copy or the
-NIXL WRITE, chosen when the handshake completed). ``check`` posts the legs whose blocks'
-device work ended and polls what is in flight, ending each leg DONE or FAILED. The
-producer owns the legs; it learns of an end through ``done`` and ``fail``.
+The sender alone calls a route (``arm``, ``launch``, ``post``, ``poll``), through its
+chooser (core/routes.py: the same-host copy, the NIXL WRITE or its layer-wise form).
+``arm`` prepares a registration's leg before P's blocks are ready; ``launch_armed``
+posts it the moment they are. ``push`` takes a MATCHED (or DEFERRED) leg: it waits for
+the handshake with D if need be, then posts the leg on its route. ``check`` posts the
+legs whose blocks' device work ended and polls what is in flight, ending each leg DONE
+or FAILED. The producer owns the legs; it learns of an end through ``done`` and
+``fail``.
 """
 
 from __future__ import annotations
@@ -16,11 +19,14 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
+import numpy as np
+
 from kvpush.core import wire
 from kvpush.core.errors import LayoutError, TransportError
 from kvpush.core.peers import Peer, PeerTable
-from kvpush.core.records import Flight, PendingGroup, PushTransfer
+from kvpush.core.records import Armed, Flight, PendingGroup, PushTransfer
 from kvpush.core.route import settled
+from kvpush.core.routes import Routes
 from kvpush.core.transport import WriteState
 from kvpush.core.types import ENDED, StagedBlocks, State, transition
 
@@ -40,6 +46,7 @@ class Sender:
         fail: Callable[[PushTransfer, Peer | None, str], None],
     ) -> None:
         self.peers = peers
+        self.routes = Routes(peers)
         self.stats = stats
         self.observe = observe
         self._replay = replay  # the callback that brings a leg back after its handshake
@@ -54,6 +61,10 @@ class Sender:
     def forget(self, t: PushTransfer) -> None:
         self.writing.pop(id(t), None)
 
+    def arm(self, peer: Peer, reg: wire.PushReg, dst: list[np.ndarray]) -> Armed | None:
+        """D registered before P's blocks are ready: what its route can prepare now."""
+        return self.routes.arm(peer, reg, dst)
+
     def launch_armed(self, staged: StagedBlocks, group: PendingGroup) -> Flight | None:
         """Post the leg armed for a request's only registration before any of the
         producer's bookkeeping (the end of a prefill: latency counts); None when there is
@@ -62,10 +73,9 @@ class Sender:
         if len(regs) != 1:
             return None
         (pend,) = regs.values()
-        armed = pend.armed
-        if armed is None:
+        if pend.armed is None:
             return None
-        flight = armed.route.launch(armed, pend, staged)
+        flight = self.routes.launch(pend, staged)
         if flight is not None:
             pend.armed = None
         return flight
@@ -94,12 +104,12 @@ class Sender:
             self.stats["reg_wrong_sender"] += 1
             self._fail(t, peer, f"registration sent by {t.sender}, not by {peer.agent}")
             return
-        if t.preq is not None and t.preq.feed is not None and not peer.route.layered:
-            # The worker makes layer feeds only without a peer-copy hook (copy routes).
+        route = self.routes.for_leg(t, peer)
+        if route is None:
             self._fail(t, peer, "a layer-wise push on a route that takes whole requests")
             return
         try:
-            flight = peer.route.post(t, peer)
+            flight = self.routes.post(route, t, peer)
         except (LayoutError, wire.WireError) as e:
             self.stats["reg_invalid"] += 1
             self._fail(t, peer, f"invalid registration: {e}")

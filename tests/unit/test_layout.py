@@ -13,7 +13,6 @@ from kvpush.core.layout import (
     KVLayout,
     Region,
     as_ids,
-    check_compatible,
     expand,
     validate_block_ids,
 )
@@ -23,6 +22,7 @@ from kvpush.core.routing import (
     _uniform_descs,
     block_pieces,
     build_pair_descs,
+    check_compatible,
     pair_regions,
 )
 from kvpush.core.transport import rows_array

@@ -1,4 +1,4 @@
-"""Routes (core/route.py, core/copy_route.py): which one a peer gets at its handshake, and
+"""Routes (core/routes.py, core/route.py, core/copy_route.py): which one a peer takes, and
 the copy route's receiving half ending D's receives, without threads or a clock."""
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from kvpush.core.layout import KVLayout, Region
 from kvpush.core.memory_transport import Fabric, MemoryTransport
 from kvpush.core.peers import Peer, PeerTable
 from kvpush.core.route import WriteRoute
+from kvpush.core.routes import Routes
 from kvpush.core.types import RecvRegistration, State, WorkerConfig
 from tests.unit.test_peer_copy import MemmovePeerCopy
 from tests.unit.test_transfer_states import StubWorker, push_reg
@@ -55,28 +56,32 @@ def meet(peers: PeerTable, agent: str, port: int, export: bytes | None) -> Peer:
 
 def test_a_peer_gets_the_copy_only_when_both_sides_have_the_hook() -> None:
     with_hook = table(MemmovePeerCopy("h1"))
-    assert isinstance(meet(with_hook, "D1", 1, b"h1").route, CopyRoute)
-    assert isinstance(meet(with_hook, "D2", 2, None).route, WriteRoute)  # it exports nothing
-    assert isinstance(meet(table(None), "D3", 3, b"h1").route, WriteRoute)  # we have no hook
+    routes = Routes(with_hook)
+    assert isinstance(routes.of(meet(with_hook, "D1", 1, b"h1")), CopyRoute)
+    assert isinstance(routes.of(meet(with_hook, "D2", 2, None)), WriteRoute)  # exports nothing
+    no_hook = table(None)
+    assert isinstance(Routes(no_hook).of(meet(no_hook, "D3", 3, b"h1")), WriteRoute)  # we have none
 
 
 def test_a_decline_switches_the_peer_for_good_until_it_is_forgotten() -> None:
     peers = table(MemmovePeerCopy("h1"))
+    routes = Routes(peers)
     other = meet(peers, "D1", 1, b"h2")  # the hook cannot map it (another host)
     near = meet(peers, "D2", 2, b"h1")
-    assert isinstance(other.route, CopyRoute)
+    assert isinstance(routes.of(other), CopyRoute)
     dst = [np.array([1, 2])]
-    assert other.route.arm(other, push_reg(1), dst) is None
-    assert other.route is peers.write and peers.stats["copy_declined"] == 1
+    assert routes.arm(other, push_reg(1), dst) is None
+    assert routes.of(other) is routes.write and peers.stats["copy_declined"] == 1
     # for good: the next registration goes straight to the WRITE, asking the hook nothing
-    armed = other.route.arm(other, push_reg(1), dst)
-    assert armed is not None and armed.route is peers.write and armed.dst is None
+    armed = routes.arm(other, push_reg(1), dst)
+    assert armed is not None and armed.route is routes.write and armed.dst is None
     assert peers.stats["copy_declined"] == 1
-    armed = near.route.arm(near, push_reg(2), dst)  # another peer keeps its copy
-    assert armed is not None and armed.route is near.route and armed.agent == "D2"
+    armed = routes.arm(near, push_reg(2), dst)  # another peer keeps its copy
+    assert armed is not None and armed.route is routes.of(near) and armed.agent == "D2"
+    assert armed.route is routes.copy
     peers.forget("D1")
     again = meet(peers, "D1", 1, b"h2")  # met again (a restart): chosen afresh
-    assert again is not other and isinstance(again.route, CopyRoute)
+    assert again is not other and isinstance(routes.of(again), CopyRoute)
 
 
 class LaneStub(StubWorker):
@@ -146,29 +151,30 @@ def test_an_armed_write_posts_only_checked_ids_behind_a_finished_event() -> None
     fabric = peers.transport.fabric  # type: ignore[attr-defined]
     fabric.agents["D1"].register(LAYOUT)
     fabric.hold_writes = True  # (LAYOUT's addresses are not memory: nothing is copied)
-    route = peer.route
+    routes = Routes(peers)
+    route = routes.of(peer)
     assert isinstance(route, WriteRoute)
     # D's ids are checked when it registers: one outside D's 16 blocks arms nothing, so
     # the full path meets it at the post and fails the leg with the reason.
-    assert route.arm(peer, push_reg(1), [np.array([1, 16])]) is None
+    assert routes.arm(peer, push_reg(1), [np.array([1, 16])]) is None
     dst = [np.array([1, 2])]
-    armed = route.arm(peer, push_reg(1), dst)
+    armed = routes.arm(peer, push_reg(1), dst)
     assert armed is not None and armed.route is route and armed.agent == "D1"
     pend = PendingReg(push_reg(1), "D1", 0.0, dst, armed)
     # P's blocks still being written: not launched (the leg waits in the sender's settling),
     # nor when asking fails (the full path asks again and fails the leg with the reason).
-    assert route.launch(armed, pend, StagedBlocks("p1", [[7, 8, 9]], None, Event(False))) is None
+    assert routes.launch(pend, StagedBlocks("p1", [[7, 8, 9]], None, Event(False))) is None
     broken = Event(True)
     broken.query = lambda: 1 / 0  # type: ignore[method-assign]
-    assert route.launch(armed, pend, StagedBlocks("p1", [[7, 8, 9]], None, broken)) is None
+    assert routes.launch(pend, StagedBlocks("p1", [[7, 8, 9]], None, broken)) is None
     assert peers.stats["write_early"] == 0
     # Written: posted at once, P's last two blocks (D holds the prompt's first block).
-    flight = route.launch(armed, pend, StagedBlocks("p1", [[7, 8, 9]], None, Event(True)))
+    flight = routes.launch(pend, StagedBlocks("p1", [[7, 8, 9]], None, Event(True)))
     assert flight is not None and peers.stats["write_early"] == 1
     assert flight.agent == "D1" and flight.units == 1 and flight.nbytes == 2 * 64
     (write,) = fabric.writes
     assert write.src.tolist() == [[4096 + 8 * 64, 128, 0]]
     assert write.dst.tolist() == [[4096 + 1 * 64, 128, 0]]
     # P's ids outside its own layout: declined, for the full path to fail it.
-    assert route.launch(armed, pend, StagedBlocks("p2", [[15, 16]])) is None
+    assert routes.launch(pend, StagedBlocks("p2", [[15, 16]])) is None
     assert peers.stats["write_early"] == 1

@@ -244,11 +244,10 @@ class StubP:
         self.stats: Counter[str] = Counter()
         self.config = WorkerConfig(engine_id="P")
         self.layout = KVLayout([Region("r", 4096, 64, 16, layers=["l0"])], 16)
-        from kvpush.core.route import WriteRoute
-
         info = SimpleNamespace(layout=self.layout, peer_copy=None)
-        self.peer = SimpleNamespace(agent="D0", info=info, route=WriteRoute(self))  # type: ignore[arg-type]
-        self.peers = self  # it plays the peer table too
+        self.peer = SimpleNamespace(agent="D0", info=info)
+        self.peers = self  # it plays the peer table too (without a peer-copy hook)
+        self.peer_copy = None
         self.by_key: dict[tuple[str, int], Any] = {}
         self.by_agent: dict[str, Any] = {}
         self.waiting: list[Any] = []  # handshake callbacks
