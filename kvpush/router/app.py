@@ -1,10 +1,11 @@
 """HTTP handlers of the router: an OpenAI-compatible front for pools of prefill and
 decode instances (`pool.py`; one pair is a pool of one each).
 
-Per client request: pick a prefiller and a decoder (`Pool.choose`), issue a transfer id,
-start the prefill leg and the decode leg at the same time (push only beats pull when P
-does not wait for D or the other way round), and answer with the decode leg. Rules that
-keep the client from ever hanging:
+Per client request (`_proxy`, to be read top to bottom): read it into one `Call`
+(`call.py`: what every later step needs), pick a prefiller and a decoder (`Pool.choose`),
+start the prefill leg and the decode leg at the same time (`_attempt`; push only beats
+pull when P does not wait for D or the other way round), and answer with the decode leg
+(`unary.py`, `streaming.py`). Rules that keep the client from ever hanging:
 
 - every leg has its own timeout (`legs.py`), so every wait here ends;
 - a prefill failure before the decode leg has finished fails the request and cancels the
@@ -23,9 +24,9 @@ sends the whole request again, with a new transfer id, on another pair without t
 failed instance (at most `RouterConfig.retries` times); after the first byte the failure
 is reported in-stream.
 
-A request P cannot help with (``bodies.decoder_alone``: prompt logprobs, beam search,
-prompt embeddings, a body that is not a JSON object or not sent as JSON) goes to the
-decoder alone, with the client's other fields as sent.
+A request P cannot help with (`alone.reason`: prompt logprobs, beam search, prompt
+embeddings, a body that is not a JSON object or not sent as JSON) goes to the decoder
+alone, with the client's other fields as sent (`alone.serve`).
 
 The client's body is checked at the boundary first (`boundary.py`: concurrency, header
 encoding, size, read deadline, nesting), and its own ``kv_transfer_params`` are dropped
@@ -37,9 +38,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable
-from typing import Any, TypeVar
+from typing import Any
 
 import aiohttp
 from aiohttp import web
@@ -47,16 +47,19 @@ from aiohttp import web
 from kvpush.core import trace
 from kvpush.router import (
     admin,
+    alone,
     bodies,
     boundary,
     head,
     info,
-    jsonbody,
     legs,
     replies,
+    streaming,
+    unary,
     upkeep,
     wire,
 )
+from kvpush.router.call import Call, Outcome, new_tid
 from kvpush.router.config import (
     BACKGROUND,
     CONFIG,
@@ -68,13 +71,10 @@ from kvpush.router.config import (
     RouterConfig,
 )
 from kvpush.router.metrics import RouterMetrics
-from kvpush.router.pool import Instance, Pool, Role, affinity_key
-from kvpush.router.streaming import REFUSAL_GRACE_S, Outcome, serve_stream, settle
-from kvpush.router.tracking import leg, refusal, succeeded
+from kvpush.router.pool import Pool, Role, affinity_key
+from kvpush.router.tracking import leg
 
 log = logging.getLogger(__name__)
-
-T = TypeVar("T")
 
 
 def make_app(config: RouterConfig) -> web.Application:
@@ -131,8 +131,48 @@ async def _chat_completions(request: web.Request) -> web.StreamResponse:
 
 
 async def _proxy(request: web.Request, path: str, chat: bool) -> web.StreamResponse:
-    # Read and checked by the boundary (a refusal there is the router's own answer), and
-    # the client's own kv_transfer_params dropped: every leg below starts from `body`.
+    """One client request, top to bottom: read into a `Call`, then the decoder alone, or
+    attempts on pairs (`_attempt`) until one answers, and the reply."""
+    call = await _read(request, path, chat)
+    try:
+        if (why := await alone.reason(call)) is not None:
+            return await alone.serve(call, why)
+        assert isinstance(call.body, dict)
+        key = affinity_key(call.body, chat, call.cfg.policy.affinity_chars)
+        failed: dict[Role, set[str]] = {"prefill": set(), "decode": set()}
+        err: legs.LegError | None = None
+        for attempt in range(call.cfg.retries + 1):
+            p = call.pool.choose("prefill", key, frozenset(failed["prefill"]))
+            d = call.pool.choose("decode", None, frozenset(failed["decode"]))
+            if p is None or d is None:
+                if err is not None:  # no other pair to try: the last failure stands
+                    return replies.leg_failed(call, err)
+                return replies.none_available(call, "prefill" if p is None else "decode")
+            if err is not None:
+                replies.count(call, err)
+                call.metrics.retried(err.leg)
+                log.warning("transfer %s: %s; sent again on another pair", call.tid, err)
+                call.new_transfer()
+            call.attempt, call.p, call.d = attempt, p, d
+            call.retry_ok = attempt < call.cfg.retries and call.pool.spare(
+                "decode", {*failed["decode"], d.url}
+            )
+            outcome = await _attempt(call)
+            if not isinstance(outcome, legs.LegError):
+                return outcome
+            err = outcome
+            if err.refused or err.kind == "timeout":
+                break  # the client's mistake, or its patience already spent once
+            failed[err.leg].add((p if err.leg == "prefill" else d).url)
+        assert err is not None
+        return replies.leg_failed(call, err)
+    finally:
+        call.metrics.request_finished(call.endpoint, time.monotonic() - call.started)
+
+
+async def _read(request: web.Request, path: str, chat: bool) -> Call:
+    """The request read and checked by the boundary (a refusal there is the router's own
+    answer), less the client's kv_transfer_params, as a `Call`; counted in."""
     raw = await boundary.read_body(request)
     body = boundary.parse(request, raw)
     if isinstance(body, dict):
@@ -140,9 +180,7 @@ async def _proxy(request: web.Request, path: str, chat: bool) -> web.StreamRespo
             request.app[METRICS].refused("bad_kv_transfer_params")
             raise boundary.Refused(boundary.error(400, why))
         body = bodies.untrusted(body)
-    app = request.app
-    cfg, metrics, pool = app[CONFIG], app[METRICS], app[POOL]
-    tid = uuid.uuid4().hex
+    tid = new_tid()
     trace.mark("router.recv", tid)
     # The same request id on both legs lets P and D match each other even without
     # transfer_id support (the in-tree connectors match on it), and gives the engine
@@ -152,146 +190,31 @@ async def _proxy(request: web.Request, path: str, chat: bool) -> web.StreamRespo
         headers["Authorization"] = request.headers["Authorization"]
     stream = isinstance(body, dict) and body.get("stream") is True
     endpoint = path.rsplit("/", 1)[-1] if not chat else "chat_completions"
-    metrics.request_started(endpoint, stream)
-    start = time.monotonic()
-    try:
-        alone: str | None = "not_an_object"
-        ctype = request.headers.get("Content-Type")
-        if body is boundary.NOT_JSON:
-            alone = "not_json"
-        elif ctype is None or not _json_type(ctype):
-            alone = "content_type"  # vLLM refuses it: D answers as a plain server does
-        elif isinstance(body, dict):
-            limit = await info.known_max_model_len(app, headers.get("Authorization"))
-            alone = bodies.decoder_alone(body, chat, limit)
-        if alone is not None:
-            metrics.decoder_alone(alone)
-            log.debug("transfer %s: to the decoder alone (%s)", tid, alone)
-            headers["Content-Type"] = ctype if ctype is not None else ""  # (vLLM: as none)
-            d = pool.choose("decode")
-            if d is None:
-                return replies.none_available(app, "decode", tid)
-            # An object is written from what was read, less the client's
-            # kv_transfer_params; only what has no fields (not JSON, not an object) goes
-            # as the client sent it.
-            data = jsonbody.dump(body) if isinstance(body, dict) else raw
-            return await replies.serve_alone(request, path, data, headers, tid, d)
-        assert isinstance(body, dict)
-        key = affinity_key(body, chat, cfg.policy.affinity_chars)
-        failed: dict[Role, set[str]] = {"prefill": set(), "decode": set()}
-        err: legs.LegError | None = None
-        for attempt in range(cfg.retries + 1):
-            p = pool.choose("prefill", key, frozenset(failed["prefill"]))
-            d = pool.choose("decode", None, frozenset(failed["decode"]))
-            if p is None or d is None:
-                if err is not None:  # no other pair to try: the last failure stands
-                    return replies.leg_failed(app, err, tid)
-                return replies.none_available(app, "prefill" if p is None else "decode", tid)
-            if attempt:
-                replies.count(app, err)  # type: ignore[arg-type]
-                metrics.retried(err.leg)  # type: ignore[union-attr]
-                log.warning("transfer %s: %s; sent again on another pair", tid, err)
-                tid = headers["X-Request-Id"] = uuid.uuid4().hex
-            again = attempt < cfg.retries and pool.spare("decode", {*failed["decode"], d.url})
-            outcome = await _attempt(request, path, body, chat, headers, tid, p, d, stream, again)
-            if not isinstance(outcome, legs.LegError):
-                return outcome
-            err = outcome
-            if err.refused or err.kind == "timeout":
-                break  # the client's mistake, or its patience already spent once
-            failed[err.leg].add((p if err.leg == "prefill" else d).url)
-        assert err is not None
-        return replies.leg_failed(app, err, tid)
-    finally:
-        metrics.request_finished(endpoint, time.monotonic() - start)
+    call = Call(request, path, chat, endpoint, raw, body, stream, tid, headers)
+    call.metrics.request_started(endpoint, stream)
+    call.started = time.monotonic()
+    return call
 
 
-async def _attempt(
-    request: web.Request,
-    path: str,
-    body: dict[str, Any],
-    chat: bool,
-    headers: dict[str, str],
-    tid: str,
-    p: Instance,
-    d: Instance,
-    stream: bool,
-    retry_ok: bool,
-) -> Outcome:
-    """One try of the request on the pair (p, d), both legs at once."""
-    app = request.app
-    cfg, metrics = app[CONFIG], app[METRICS]
-    early = stream and head.eligible(body, chat)  # P's first token may go to the client
-    pbody = (head.prefill_body if early else bodies.prefill_body)(body, tid, chat)
-    call = legs.call_unary(app[UPSTREAMS], "prefill", p.url + path, pbody, headers, cfg.timeout)
+async def _attempt(call: Call) -> Outcome:
+    """One try of the request on the pair chosen: both legs at once, then D's answer."""
+    p, d = call.pair
+    cfg, tid = call.cfg, call.tid
+    call.early = call.stream and head.eligible(call.body, call.chat)  # P's token may go first
+    pbody = (head.prefill_body if call.early else bodies.prefill_body)(call.body, tid, call.chat)
+    url = p.url + call.path
+    p_leg = legs.call_unary(call.upstreams, "prefill", url, pbody, call.headers, call.timeout)
     # Created before anything is awaited: both legs run concurrently.
-    prefill = asyncio.create_task(leg(metrics, p, _checked(call) if early else call))
+    work = _checked(p_leg) if call.early else p_leg
+    prefill = call.prefill_task = asyncio.create_task(leg(call.metrics, p, work))
     if trace.ON:  # P's answer (its first token, as one plain server would send it)
         prefill.add_done_callback(lambda _: trace.mark("router.p_answer", tid))
-    dbody = bodies.decode_body(body, tid, p.spec.side_channel, cfg.decode_kv_extra)
-    log.debug("transfer %s: legs started on %s and %s (stream=%s)", tid, p.url, d.url, stream)
-    if stream:
-        args = (request, path, dbody, dict(headers), prefill, tid, p, d)
-        return await serve_stream(*args, retry_ok, chat if early else None)
-    return await _serve_unary(request, path, dbody, dict(headers), prefill, tid, d)
+    dbody = bodies.decode_body(call.body, tid, p.spec.side_channel, cfg.decode_kv_extra)
+    log.debug("transfer %s: legs started on %s and %s (stream=%s)", tid, p.url, d.url, call.stream)
+    if call.stream:
+        return await streaming.serve(call, dbody)
+    return await unary.serve(call, dbody)
 
 
-def _json_type(ctype: str) -> bool:
-    """A Content-Type vLLM reads as JSON (FastAPI: application/json or */*+json)."""
-    mime = ctype.split(";", 1)[0].strip().lower()
-    return mime.startswith("application/") and (
-        mime == "application/json" or mime.endswith("+json")
-    )
-
-
-async def _checked(call: Awaitable[legs.LegResult]) -> legs.LegResult:
-    return head.check_answer(await call)
-
-
-async def _until_decode_done(prefill: asyncio.Task[Any], decode: asyncio.Task[T]) -> T:
-    """Wait for the decode task; raise the prefill leg's error if it fails first."""
-    while not decode.done():
-        if succeeded(prefill):  # only D left to watch: awaiting its task directly is a
-            # loop turn sooner than asyncio.wait (a cancel here cancels it, as cleanup would)
-            return await decode
-        waiting = {decode} if prefill.done() else {prefill, decode}
-        await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
-        # Checked before the decode result: a decode leg that fails because P failed
-        # should be reported as the prefill failure that caused it.
-        if prefill.done() and not prefill.cancelled() and prefill.exception() is not None:
-            err = prefill.exception()
-            if isinstance(err, legs.LegError) and err.refused:
-                await asyncio.wait({decode}, timeout=REFUSAL_GRACE_S)
-                own = refusal(decode)
-                if own is not None:
-                    raise own
-            raise err  # type: ignore[misc]
-    return decode.result()
-
-
-async def _serve_unary(
-    request: web.Request,
-    path: str,
-    dbody: dict[str, Any],
-    headers: dict[str, str],
-    prefill: asyncio.Task[Any],
-    tid: str,
-    d: Instance,
-) -> Outcome:
-    app = request.app
-    cfg = app[CONFIG]
-    call = legs.call_unary(app[UPSTREAMS], "decode", d.url + path, dbody, headers, cfg.timeout)
-    decode = asyncio.create_task(leg(app[METRICS], d, call))
-    ok = False
-    try:
-        result = await _until_decode_done(prefill, decode)
-        ok = True
-    except legs.LegError as err:
-        return err
-    finally:
-        settle(app, tid, prefill, ok, decode)
-    return web.Response(
-        body=result.body,
-        status=result.status,
-        headers={"Content-Type": result.content_type, "X-Request-Id": tid},
-    )
+async def _checked(answer: Awaitable[legs.LegResult]) -> legs.LegResult:
+    return head.check_answer(await answer)

@@ -8,8 +8,9 @@ a raw aiohttp exception).
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import aiohttp
 
@@ -24,6 +25,7 @@ _MAX_DETAIL = 500
 # A refusal (4xx) is passed to the client whole, up to this size.
 _MAX_REFUSAL = 64 * 1024
 _JSON = "application/json"
+T = TypeVar("T")
 
 
 class LegError(Exception):
@@ -98,6 +100,18 @@ def _upstream_error(leg: LegName, resp: wire.Response, data: bytes) -> LegError:
 _UNREACHABLE = (OSError, ValueError)
 
 
+async def _bounded(leg: LegName, timeout: float, late: str, work: Awaitable[T]) -> T:
+    """`work` within `timeout` seconds, its failures as `LegError`s (`late`: what did not
+    come in time)."""
+    try:
+        async with asyncio.timeout(timeout):
+            return await work
+    except TimeoutError:
+        raise LegError(leg, "timeout", f"{late} {timeout:g}s") from None
+    except _UNREACHABLE as exc:
+        raise LegError(leg, "connection", f"{type(exc).__name__}: {exc}") from exc
+
+
 async def call_unary(
     upstreams: wire.Upstreams,
     leg: LegName,
@@ -107,21 +121,18 @@ async def call_unary(
     timeout: float,
 ) -> LegResult:
     """POST `body` and read the whole answer within `timeout` seconds."""
-    try:
-        async with asyncio.timeout(timeout):
-            resp = await upstreams.post(url, jsonbody.dump(body), headers, _JSON)
-            try:
-                data = await resp.read()
-            finally:
-                resp.release()
-            if not 200 <= resp.status < 300:
-                raise _upstream_error(leg, resp, data)
-            ctype = resp.headers.get("Content-Type", _JSON)
-            return LegResult(resp.status, data, ctype)
-    except TimeoutError:
-        raise LegError(leg, "timeout", f"no complete answer within {timeout:g}s") from None
-    except _UNREACHABLE as exc:
-        raise LegError(leg, "connection", f"{type(exc).__name__}: {exc}") from exc
+
+    async def call() -> LegResult:
+        resp = await upstreams.post(url, jsonbody.dump(body), headers, _JSON)
+        try:
+            data = await resp.read()
+        finally:
+            resp.release()
+        if not 200 <= resp.status < 300:
+            raise _upstream_error(leg, resp, data)
+        return LegResult(resp.status, data, resp.headers.get("Content-Type", _JSON))
+
+    return await _bounded(leg, timeout, "no complete answer within", call())
 
 
 async def open_stream(
@@ -139,47 +150,33 @@ async def open_stream(
 
     The caller owns the returned response and must `release()` or `close()` it.
     """
-    try:
-        async with asyncio.timeout(timeout):
-            if isinstance(body, bytes):
-                headers = dict(headers)
-                ctype = headers.pop("Content-Type", _JSON)
-                resp = await upstreams.post(url, body, headers, ctype)
-            else:
-                resp = await upstreams.post(url, jsonbody.dump(body), headers, _JSON)
-            if not any_status and not 200 <= resp.status < 300:
-                try:
-                    data = await resp.read()
-                finally:
-                    resp.release()
-                raise _upstream_error(leg, resp, data)
-            return resp
-    except TimeoutError:
-        raise LegError(leg, "timeout", f"no response headers within {timeout:g}s") from None
-    except _UNREACHABLE as exc:
-        raise LegError(leg, "connection", f"{type(exc).__name__}: {exc}") from exc
+
+    async def call() -> wire.Response:
+        if isinstance(body, bytes):
+            sent = dict(headers)
+            ctype = sent.pop("Content-Type", _JSON)
+            resp = await upstreams.post(url, body, sent, ctype)
+        else:
+            resp = await upstreams.post(url, jsonbody.dump(body), headers, _JSON)
+        if not any_status and not 200 <= resp.status < 300:
+            try:
+                data = await resp.read()
+            finally:
+                resp.release()
+            raise _upstream_error(leg, resp, data)
+        return resp
+
+    return await _bounded(leg, timeout, "no response headers within", call())
 
 
 async def read_all(resp: wire.Response, leg: LegName, timeout: float) -> bytes:
     """The rest of a response's body, within `timeout` seconds."""
-    try:
-        async with asyncio.timeout(timeout):
-            return await resp.read()
-    except TimeoutError:
-        raise LegError(leg, "timeout", f"no complete answer within {timeout:g}s") from None
-    except OSError as exc:
-        raise LegError(leg, "connection", f"{type(exc).__name__}: {exc}") from exc
+    return await _bounded(leg, timeout, "no complete answer within", resp.read())
 
 
 async def read_chunk(resp: wire.Response, leg: LegName, timeout: float) -> bytes:
     """Next piece of a streamed body (b"" at its end); `timeout` bounds the gap between pieces."""
-    try:
-        async with asyncio.timeout(timeout):
-            return await resp.readany()
-    except TimeoutError:
-        raise LegError(leg, "timeout", f"stream stalled for {timeout:g}s") from None
-    except OSError as exc:
-        raise LegError(leg, "connection", f"{type(exc).__name__}: {exc}") from exc
+    return await _bounded(leg, timeout, "stream stalled for", resp.readany())
 
 
 async def probe_health(

@@ -1,4 +1,4 @@
-"""The streamed answer of a split request, and the end of a request's legs (`settle`).
+"""The streamed answer of a split request.
 
 The client's 200 waits for the first thing it gets: D's first chunk (D's headers come at
 once, its first chunk with the first token), or, for a request that qualifies
@@ -11,86 +11,36 @@ reported in-stream.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
 
 from kvpush.core import trace
 from kvpush.router import head, legs, replies, sse, tracking, wire
-from kvpush.router.config import BACKGROUND, CONFIG, METRICS, UPSTREAMS
-from kvpush.router.metrics import RouterMetrics
-from kvpush.router.pool import Instance
-from kvpush.router.tracking import retrieve, succeeded, timed, using
+from kvpush.router.call import Call, Outcome
+from kvpush.router.tracking import REFUSAL_GRACE_S, retrieve, settle, succeeded, timed, using
 
 log = logging.getLogger("kvpush.router.app")
 
-# How long to wait for D's own refusal once P refused (both validate the same fields).
-REFUSAL_GRACE_S = 1.0
-Outcome = web.StreamResponse | legs.LegError  # a LegError: failed before the client got a byte
 _Opened = tuple[wire.Response, bytes]  # D's stream and its first piece
 
 
-def settle(
-    app: web.Application, tid: str, prefill: asyncio.Task[Any], decode_ok: bool, *others: Any
-) -> None:
-    """Cancel what is left of a request; keep a still-running prefill leg only on success."""
-    for task in others:
-        if isinstance(task, asyncio.Task):
-            # Its error (say, a write to a client that left) is the handler's to report;
-            # retrieved here so that it is not logged again as never retrieved.
-            task.add_done_callback(retrieve)
-            task.cancel()
-    if prefill.done() or not decode_ok:
-        prefill.add_done_callback(retrieve)
-        prefill.cancel()
-        return
-    background = app[BACKGROUND]
-    metrics = app[METRICS]
-    background.add(prefill)
-
-    def _done(task: asyncio.Task[Any]) -> None:
-        background.discard(task)
-        if task.cancelled():
-            return
-        exc = task.exception()
-        if isinstance(exc, legs.LegError):
-            metrics.error(exc.leg, exc.kind)
-            log.warning("transfer %s: prefill failed after decode finished: %s", tid, exc)
-        elif exc is not None:
-            log.error("transfer %s: prefill leg crashed", tid, exc_info=exc)
-
-    prefill.add_done_callback(_done)
-
-
-async def serve_stream(
-    request: web.Request,
-    path: str,
-    dbody: dict[str, Any],
-    headers: dict[str, str],
-    prefill: asyncio.Task[Any],
-    tid: str,
-    p: Instance,
-    d: Instance,
-    retry_ok: bool,
-    chat: bool | None = None,
-) -> Outcome:
-    """The decode stream; with `chat` (not None), P's first token may come first."""
-    app = request.app
-    cfg, metrics = app[CONFIG], app[METRICS]
-    url = d.url + path
+async def serve(call: Call, dbody: dict[str, Any]) -> Outcome:
+    """The decode stream; for an eligible request (`call.early`), P's first token may come
+    first."""
+    p, d = call.pair
+    prefill, metrics = call.prefill, call.metrics
     with using(metrics, d) as verdict:
         interrupt = tracking.Interrupt(prefill, p, REFUSAL_GRACE_S)
         opening: asyncio.Task[_Opened] | None = None
         got: _Opened | head.Head | None = None
         try:
-            if chat is None:
-                got = await open_first(app, url, dbody, headers, retry_ok)
+            if not call.early:
+                got = await open_first(call, dbody, call.retry_ok)
             else:
-                opening = asyncio.create_task(open_first(app, url, dbody, headers, retry_ok))
-                got = await _first_of(opening, prefill, chat)
+                opening = asyncio.create_task(open_first(call, dbody, call.retry_ok))
+                got = await _first_of(opening, prefill, call.chat)
                 metrics.first_token("prefill" if isinstance(got, head.Head) else "decode")
             err = tracking.prefill_first(prefill, None)
         except legs.LegError as own:
@@ -99,24 +49,24 @@ async def serve_stream(
             err = interrupt.caught()
             if err is None:
                 _abandon(opening, got)
-                settle(app, tid, prefill, False)
+                settle(call, False)
                 raise
         except BaseException:
             _abandon(opening, got)
-            settle(app, tid, prefill, False)
+            settle(call, False)
             raise
         finally:
             interrupt.close()
         if err is not None:
             _abandon(opening, got)
-            settle(app, tid, prefill, False)
+            settle(call, False)
             if not isinstance(err, legs.LegError):
                 raise err
             if err.leg == "decode":
                 verdict.judge(err)
             return err
         assert got is not None
-        trace.mark("router.first_chunk", tid)
+        trace.mark("router.first_chunk", call.tid)
         # From here the client has a 200: a later failure can only be reported in-stream.
         upstream: wire.Response | None = None
         if isinstance(got, head.Head):
@@ -127,27 +77,25 @@ async def serve_stream(
             status = upstream.status
         out = web.StreamResponse(
             status=status,
-            headers={"Content-Type": ctype, "Cache-Control": "no-cache", "X-Request-Id": tid},
+            headers={"Content-Type": ctype, "Cache-Control": "no-cache", "X-Request-Id": call.tid},
         )
-        client = sse.chunked_to(request, out)
+        client = sse.chunked_to(call.request, out)
         ok = False
         try:
-            await out.prepare(request)
-            trace.mark("router.prepared", tid)
+            await out.prepare(call.request)
+            trace.mark("router.prepared", call.tid)
             if upstream is None:
-                assert isinstance(got, head.Head) and opening is not None and chat is not None
+                assert isinstance(got, head.Head) and opening is not None
                 await out.write(got.events)
-                again = functools.partial(_again, app, url, dbody, headers, tid)
-                args = (opening, got, chat, prefill, p, cfg.timeout, metrics, out, client, again)
-                copy = _after_head(*args)
+                copy = _after_head(call, dbody, opening, got, out, client)
             else:
-                copy = sse.pump(upstream, out, "decode", cfg.timeout, start, client)
+                copy = sse.pump(upstream, out, "decode", call.timeout, start, client)
             relay = timed(metrics, d, copy)
             if not succeeded(prefill):  # its failure ends the stream, in-stream
                 relay = tracking.watched(prefill, relay, REFUSAL_GRACE_S)
-            ok = await replies.relayed(app, out, tid, relay, verdict)
+            ok = await replies.relayed(call, out, relay, verdict)
         except ConnectionError:
-            log.info("transfer %s: client went away mid-stream", tid)
+            log.info("transfer %s: client went away mid-stream", call.tid)
         finally:
             # An unfinished stream's connection is closed, not pooled: D sees the hang-up
             # and aborts the request.
@@ -156,7 +104,7 @@ async def serve_stream(
             if upstream is not None:
                 upstream.release() if ok else upstream.close()
             _stop(opening)
-            settle(app, tid, prefill, ok)
+            settle(call, ok)
         verdict.ok = ok
     if ok:
         await replies.end(out)
@@ -176,30 +124,27 @@ async def _first_of(
 
 
 async def _after_head(
+    call: Call,
+    dbody: dict[str, Any],
     opening: asyncio.Task[_Opened],
     first: head.Head,
-    chat: bool,
-    prefill: asyncio.Task[Any],
-    p: Instance,
-    timeout: float,
-    metrics: RouterMetrics,
     out: web.StreamResponse,
     client: asyncio.Transport | None,
-    again: Callable[[], Awaitable[_Opened]],
 ) -> bool:
     """The relay of D's stream once the client has P's first token: D's first piece (a
     P that answered and then left the pool never pushes: an in-stream error at once),
     then D's stream without its copy of the head. When D's first token is not P's, D's
     continuation would not follow the client's first token: D computes the request
     again (`head.again_body`), and that stream, whose first token must be P's, goes on."""
-    upstream, piece = await tracking.watched(prefill, opening, REFUSAL_GRACE_S, p)
+    chat, timeout = call.chat, call.timeout
+    upstream, piece = await tracking.watched(call.prefill, opening, REFUSAL_GRACE_S, call.p)
     piece, differs = await _trimmed(upstream, piece, first, chat, timeout)
     if not differs:
         return await sse.pump(upstream, out, "decode", timeout, piece, client)
-    metrics.first_token_mismatch()
+    call.metrics.first_token_mismatch()
     log.warning("D's first token differed from P's, which the client has: D computes it again")
     upstream.close()  # D aborts that request and frees its blocks
-    upstream, piece = await again()
+    upstream, piece = await open_first(call, head.again_body(dbody, call.tid), True)
     ok = False
     try:
         piece, differs = await _trimmed(upstream, piece, first, chat, timeout)
@@ -226,12 +171,6 @@ async def _trimmed(
     return piece, trim.mismatch
 
 
-async def _again(
-    app: web.Application, url: str, dbody: dict[str, Any], headers: dict[str, str], tid: str
-) -> _Opened:
-    return await open_first(app, url, head.again_body(dbody, tid), headers, True)
-
-
 def _opened(opening: asyncio.Task[_Opened] | None) -> wire.Response | None:
     if opening is None or not succeeded(opening):
         return None
@@ -252,14 +191,12 @@ def _stop(opening: asyncio.Task[_Opened] | None) -> None:
         opening.cancel()  # open_first closes what it opened; a done task is left as it is
 
 
-async def open_first(
-    app: web.Application, url: str, dbody: dict[str, Any], headers: dict[str, str], check: bool
-) -> _Opened:
+async def open_first(call: Call, dbody: dict[str, Any], check: bool) -> _Opened:
     """Open the decode stream and read its first chunk. With `check`, a stream that
     begins with a server-side error event (vLLM's 5xx after its 200: say, no KV in time)
     is a `LegError`, so the request can be sent again; without, it is relayed as is."""
-    timeout = app[CONFIG].timeout
-    upstream = await legs.open_stream(app[UPSTREAMS], "decode", url, dbody, headers, timeout)
+    url, timeout = call.pair[1].url + call.path, call.timeout
+    upstream = await legs.open_stream(call.upstreams, "decode", url, dbody, call.headers, timeout)
     try:
         first = await legs.read_chunk(upstream, "decode", timeout)
         if not first:

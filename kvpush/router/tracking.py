@@ -6,16 +6,23 @@ failed says nothing), and its latency."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Awaitable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
 from kvpush.router import legs
+from kvpush.router.call import Call
+from kvpush.router.config import BACKGROUND
 from kvpush.router.metrics import RouterMetrics
 from kvpush.router.pool import Instance
 
+log = logging.getLogger("kvpush.router.app")
+
 T = TypeVar("T")
+# How long to wait for D's own refusal once P refused (both validate the same fields).
+REFUSAL_GRACE_S = 1.0
 LOST_CHECK_S = 0.25  # how often a request waiting on D looks whether its P left the pool
 
 
@@ -186,3 +193,34 @@ def retrieve(task: asyncio.Task[Any]) -> None:
     """A done callback: take the task's outcome so that asyncio does not log it as lost."""
     if not task.cancelled():
         task.exception()
+
+
+def settle(call: Call, decode_ok: bool, *others: Any) -> None:
+    """Cancel what is left of an attempt; keep a still-running prefill leg only on success."""
+    for task in others:
+        if isinstance(task, asyncio.Task):
+            # Its error (say, a write to a client that left) is the handler's to report;
+            # retrieved here so that it is not logged again as never retrieved.
+            task.add_done_callback(retrieve)
+            task.cancel()
+    prefill = call.prefill
+    if prefill.done() or not decode_ok:
+        prefill.add_done_callback(retrieve)
+        prefill.cancel()
+        return
+    background = call.app[BACKGROUND]
+    metrics, tid = call.metrics, call.tid
+    background.add(prefill)
+
+    def _done(task: asyncio.Task[Any]) -> None:
+        background.discard(task)
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if isinstance(exc, legs.LegError):
+            metrics.error(exc.leg, exc.kind)
+            log.warning("transfer %s: prefill failed after decode finished: %s", tid, exc)
+        elif exc is not None:
+            log.error("transfer %s: prefill leg crashed", tid, exc_info=exc)
+
+    prefill.add_done_callback(_done)
