@@ -9,6 +9,7 @@ the live servers' /metrics with the labels it uses."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import threading
 import time
@@ -101,7 +102,16 @@ def base(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return {"work": work, "model": model, "reference": plain_reference(plain, model, cases)}
 
 
-@pytest.fixture(scope="module", params=["kvpush", "in_tree"])
+# vLLM's own pair, driven alike, shows the requests are the in-tree contract; it is not run
+# in CI: vLLM 0.32's NixlPushConnector itself lost one same-id leg in 3 of the 6 runs up to
+# 2026-12-05 (on an idle machine too): its P released the finished request's blocks at
+# their lease ("retrieved by 0 remote worker(s)") while its D waited on the KV ("KV fetch:
+# 1 in progress") until the client gave up, with nothing of kvpush in either process.
+# KVPUSH_DROP_IN_IN_TREE=1 runs it.
+PAIRS = ["kvpush", "in_tree"] if os.environ.get("KVPUSH_DROP_IN_IN_TREE") == "1" else ["kvpush"]
+
+
+@pytest.fixture(scope="module", params=PAIRS)
 def pd(request: pytest.FixtureRequest, base: dict[str, Any]) -> Iterator[PD]:
     """One pair at a time (2 cores), configured alike: vLLM's own NixlPushConnector, or
     kvpush's with exactly the change docs/migration.md gives (the connector's name and
