@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field, fields
+from functools import cached_property
 from typing import Any
 
 from kvpush.core.errors import ConfigError
@@ -60,11 +61,12 @@ class ConnectorOptions:
     # From KVPUSH_SHARED_SECRET only; a Secret, so no repr (vLLM prints this) shows it.
     shared_secret: Secret | None = field(default=None, repr=False, compare=False)
 
-    @property
+    # Parsed once: the scheduler side reads trusted_p for every request.
+    @cached_property
     def trusted(self) -> frozenset[str] | None:
         return addresses("trusted_decoders", self.trusted_decoders)
 
-    @property
+    @cached_property
     def trusted_p(self) -> frozenset[str] | None:
         return addresses("trusted_prefillers", self.trusted_prefillers)
 
