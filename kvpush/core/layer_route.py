@@ -26,6 +26,7 @@ from kvpush.core.peers import Peer, PeerTable
 from kvpush.core.records import Flight, PushTransfer, Route
 from kvpush.core.routing import build_pair_descs
 from kvpush.core.transport import WriteState, row_bytes
+from kvpush.core.types import State
 
 log = logging.getLogger(__name__)
 
@@ -83,14 +84,15 @@ class LayerRoute(Route):
         """Post what became ready, check what is in flight."""
         peers, lw = self.peers, f.handle
         assert isinstance(lw, LayerWrites)
-        if not lw.error and not lw.leg.cancelled:
+        cancelled = lw.leg.state is State.CANCELLING
+        if not lw.error and not cancelled:
             _post_ready(peers, f, lw)
         _check(peers, f, lw)
         if lw.handles:
             return WriteState.PENDING
         feed = lw.feed
         complete = feed.closed and not feed.failed and lw.posted == len(feed.pieces)
-        if lw.error or (lw.leg.cancelled and not complete):
+        if lw.error or (cancelled and not complete):
             f.error = lw.error or "cancelled"
             return WriteState.ERROR
         if not complete:

@@ -16,6 +16,9 @@ name has not come within ``unknown_request_grace_s`` is refused, once this worke
 in every request its engine got by then (``refuse_unknown``: a busy engine's late steps
 never count against it). Until the scheduler reports any arrival (the sim, an older P)
 nothing is refused this way.
+
+And the prompt check (``prompt_mismatch``): a registration whose prompt print (token count
+and digest) differs from the prompt P computed is refused before anything is written.
 """
 
 from __future__ import annotations
@@ -50,6 +53,24 @@ def named(key: Key) -> str:
     """The name of P's request a registration's key names: its transfer id (P's key, or
     P's request id without its suffix), else D's request id without its suffix."""
     return key.transfer_id if key.transfer_id is not None else base_request_id(key.request_id)
+
+
+def prompt_mismatch(mine: wire.PromptPrint | None, reg: wire.PushReg) -> str:
+    """Why D's registration names another prompt than P computed; "" when they agree or
+    either side sent no print (a seed decoder, a prompt without token ids)."""
+    theirs = reg.prompt
+    if mine is None or not isinstance(theirs, wire.PromptPrint) or theirs == mine:
+        return ""
+    if theirs.tokens != mine.tokens:
+        return f"prompt mismatch: D has {theirs.tokens} prompt tokens, P computed {mine.tokens}"
+    return f"prompt mismatch: D's {theirs.tokens} prompt tokens differ from P's"
+
+
+def same_prompt(prompt: wire.PromptPrint | None, group: PendingGroup | None) -> bool:
+    """No registration of ``group`` names a prompt other than ``prompt``."""
+    if prompt is None or group is None:
+        return True
+    return not any(prompt_mismatch(prompt, p.reg) for p in group.regs.values())
 
 
 class Pairing:
@@ -117,11 +138,6 @@ class Pairing:
         got = self.pending.pop_tid(name)
         if got is not None:
             self.pending.add(Key(staged.request_id, staged.transfer_id), got[1])
-
-    def withdrawn_before(self, withdrawn: dict[str, float], staged: StagedBlocks) -> bool:
-        """D withdrew this request's transfer (by its key or by its name) before it came."""
-        by_key = withdrawn.pop(staged.transfer_id or "", None) is not None
-        return withdrawn.pop(base_request_id(staged.request_id), None) is not None or by_key
 
     # ---- requests P's engine got --------------------------------------------------------
 
@@ -199,7 +215,7 @@ class Pairing:
     def request_ended(self, preq: PRequest) -> None:
         """Remember that ``preq`` ended, and fail the registrations still waiting for it:
         none can be served any more."""
-        how = "was evicted (its lease ran out, or it was aborted)" if preq.ended else "was pushed"
+        how = "was evicted (its lease ran out, or it was aborted)" if preq.evicted else "was pushed"
         why = f"the prefiller's request {preq.prid} already ended: it {how}"
         until = time.monotonic() + self.s.config.registration_ttl_s
         for name in {preq.tid, base_request_id(preq.prid)}:

@@ -10,6 +10,7 @@ ticking thread (the engine's, or the keeper); handshake callbacks only put onto
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import time
 from collections import defaultdict
@@ -21,13 +22,13 @@ import msgspec
 
 from kvpush.core import trace, wire
 from kvpush.core.errors import HandshakeError, TransportError
-from kvpush.core.ids import Key, MatchTable
+from kvpush.core.ids import Key, MatchTable, base_request_id
 from kvpush.core.layout import as_ids
-from kvpush.core.pairing import Pairing
+from kvpush.core.pairing import Pairing, prompt_mismatch, same_prompt
 from kvpush.core.records import DKey, Flight, PendingGroup, PendingReg, PRequest, PushTransfer
 from kvpush.core.routing import p_targets
 from kvpush.core.sender import Sender
-from kvpush.core.types import ENDED, Poll, StagedBlocks, State, transition
+from kvpush.core.types import ENDED, Poll, StagedBlocks, State, entered, transition
 
 if TYPE_CHECKING:
     from kvpush.core.peers import Peer
@@ -35,30 +36,27 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-
-def _prompt_mismatch(mine: wire.PromptPrint | None, reg: wire.PushReg) -> str:
-    """Why D's registration names another prompt than P computed; "" when they agree or
-    either side sent no print (a seed decoder, a prompt without token ids)."""
-    theirs = reg.prompt
-    if mine is None or not isinstance(theirs, wire.PromptPrint) or theirs == mine:
-        return ""
-    if theirs.tokens != mine.tokens:
-        return f"prompt mismatch: D has {theirs.tokens} prompt tokens, P computed {mine.tokens}"
-    return f"prompt mismatch: D's {theirs.tokens} prompt tokens differ from P's"
+GONE_CANCELLED, GONE_WITHDRAWN, GONE_EVICTED = "cancelled", "withdrawn", "evicted"
 
 
 class Producer:
+    """Each request is a ``PRequest`` and each of its legs a ``PushTransfer``, in their
+    own states (records.py); the tables below are indexes for lookups."""
+
     def __init__(self, shared: Shared) -> None:
         self.s = shared
         # (transfer or None for a prefetch, host, port, handshake future)
         self.deferred_push_inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self.staged: MatchTable[PRequest] = MatchTable()  # requests missing registrations
-        self.pending_regs: MatchTable[PendingGroup] = MatchTable()
-        self.by_prid: dict[str, PRequest] = {}
-        self.by_dkey: dict[DKey, PushTransfer] = {}
-        self.tombstones: dict[DKey, float] = {}  # cancelled registrations, until expiry
-        self.evicted_unknown: set[str] = set()  # evicted before their blocks reached us
-        self.withdrawn: dict[str, float] = {}  # transfer ids D withdrew before we staged them
+        self.by_prid: dict[str, PRequest] = {}  # every request not ended
+        self.staged: MatchTable[PRequest] = MatchTable()  # the STAGED ones, by D's keys
+        self.by_dkey: dict[DKey, PushTransfer] = {}  # legs not ended, by D's request
+        self.pending_regs: MatchTable[PendingGroup] = MatchTable()  # before P's blocks
+        # What P still answers for once it keeps no record, until when: registrations D
+        # cancelled (GONE_CANCELLED, D agent, D request id: a late copy is ignored), transfer
+        # ids D withdrew before P staged them (GONE_WITHDRAWN, tid) and requests evicted
+        # before their blocks came (GONE_EVICTED, P request id): freed as they come.
+        self.gone: dict[tuple[str, ...], float] = {}
+        # Notices for a D whose handshake still runs, by its address.
         self.outbox: dict[tuple[str, int], list[wire.Message]] = defaultdict(list)
         s = shared
         self.sender = Sender(s.peers, s.stats, s.observe, self._replay, self._finish, self._fail)
@@ -71,8 +69,7 @@ class Producer:
 
     def on_finished(self, staged: StagedBlocks) -> None:
         self.pairing.staging(staged)
-        if staged.request_id in self.evicted_unknown:
-            self.evicted_unknown.discard(staged.request_id)
+        if self.gone.pop((GONE_EVICTED, staged.request_id), None) is not None:
             log.warning(
                 "request %s staged after its eviction; its blocks are freed", staged.request_id
             )
@@ -80,7 +77,7 @@ class Producer:
         if staged.request_id in self.by_prid:
             log.warning("request %s staged twice; ignoring the second", staged.request_id)
             return
-        if self.pairing.withdrawn_before(self.withdrawn, staged):
+        if self._withdrawn_before(staged):
             self.s.stats["withdrawn"] += 1
             self.s.emit("sent", staged.request_id)  # D will never ask for it
             return
@@ -90,7 +87,7 @@ class Producer:
         first = self.pending_regs.by_tid(staged.transfer_id)
         layered = staged.feed is not None  # its blocks are still being written
         # (a registration of another prompt is refused by _attach: nothing launched for it)
-        hold = layered or not self._same_prompt(staged.prompt, first)
+        hold = layered or not same_prompt(staged.prompt, first)
         early = None if first is None or hold else self.sender.launch_armed(staged, first)
         key = Key(staged.request_id, staged.transfer_id)
         group = self.pending_regs.pop(key)  # ``first`` if there was one
@@ -99,24 +96,31 @@ class Producer:
                 tid, rid = key.transfer_id, key.request_id
                 log.warning("transfer id %s staged twice; ignoring %s", tid, rid)
                 return
-        elif first is None and not layered and self._same_prompt(staged.prompt, group):
+        elif first is None and not layered and same_prompt(staged.prompt, group):
             early = self.sender.launch_armed(staged, group)  # matched by request id
         preq = PRequest(staged.request_id, staged.block_ids, staged.transfer_id)
         preq.after, preq.feed, preq.prompt = staged.after, staged.feed, staged.prompt
+        preq.stats = self.s.stats
         self.by_prid[preq.prid] = preq
-        log.debug("transfer %s: staged (P request %s)", preq.tid or preq.prid, preq.prid)
+        entered(preq, preq.name)
         for pend in group.regs.values() if group else ():
             self._attach(preq, pend, early)
-        if preq.prid in self.by_prid and preq.waiting():
+        if preq.state is State.STAGED:
             self.staged.add(key, preq)
+
+    def _withdrawn_before(self, staged: StagedBlocks) -> bool:
+        """D withdrew this request's transfer (by its key or by its name) before it came."""
+        names = {base_request_id(staged.request_id), staged.transfer_id or ""}
+        return any([self.gone.pop((GONE_WITHDRAWN, n), None) is not None for n in names])
 
     def on_evict(self, prid: str) -> None:
         preq = self.by_prid.get(prid)
         if preq is None:
-            self.evicted_unknown.add(prid)
+            self.gone[(GONE_EVICTED, prid)] = math.inf  # (its blocks come within steps)
             self.s.emit("sent", prid)  # nothing of ours holds it
             return
-        preq.ended = True
+        if preq.state is not State.EVICTING:
+            transition(preq, State.EVICTING, preq.name, "lease ran out, aborted or withdrawn")
         self.staged.pop_value(preq)
         for leg in list(preq.legs.values()):
             # A WRITE in flight ends by its outcome; its source blocks stay held until then.
@@ -168,7 +172,7 @@ class Producer:
             trace.mark("p_producer.reg", reg.transfer_id, reg.request_id)
         dkey = (sender, reg.request_id)
         key = Key(reg.request_id, reg.transfer_id)
-        if dkey in self.tombstones:
+        if (GONE_CANCELLED, *dkey) in self.gone:
             self.s.stats["reg_after_cancel"] += 1
             log.warning("registration %s from %s arrived after its cancel; ignored", key, sender)
             return
@@ -185,7 +189,7 @@ class Producer:
         preq = self.pairing.staged_for(key)
         if preq is not None:
             self._attach(preq, pend)
-            if not preq.waiting():
+            if preq.state is not State.STAGED:
                 self.staged.pop_value(preq)
             return
         if self.pairing.refuse_ended(key, reg):
@@ -201,8 +205,9 @@ class Producer:
         self._prefetch(reg.decode_host, reg.decode_port)
 
     def on_cancel(self, sender: str, msg: wire.PushCancel) -> None:
+        until = time.monotonic() + self.s.config.registration_ttl_s
+        self.gone[(GONE_CANCELLED, sender, msg.request_id)] = until
         dkey = (sender, msg.request_id)
-        self.tombstones[dkey] = time.monotonic() + self.s.config.registration_ttl_s
         if msg.withdrawn:
             self._withdraw(msg.transfer_id)
             return
@@ -226,8 +231,9 @@ class Producer:
             if sender in self.s.peers.by_agent:  # nothing of ours can touch its blocks
                 self.s.notify(sender, ack)
             return
-        if t.poll() is Poll.TRANSFERRING:
-            t.cancelled = True  # the WRITE's completion or failure answers D
+        if t.poll() is Poll.TRANSFERRING:  # the WRITE's completion or failure answers D
+            if t.state is State.WRITING:
+                transition(t, State.CANCELLING, t.name, "D cancelled")
             return
         transition(t, State.CANCELLED, t.name, "D cancelled")
         assert t.reg is not None
@@ -243,7 +249,7 @@ class Producer:
             return  # matched by request id alone: leave it to the lease
         preq = self.staged.by_tid(tid) or self.staged.find_named(tid)
         if preq is None:
-            self.withdrawn[tid] = time.monotonic() + self.s.config.registration_ttl_s
+            self.gone[(GONE_WITHDRAWN, tid)] = time.monotonic() + self.s.config.registration_ttl_s
         elif not preq.legs:  # no other D rank registered: nothing can be writing
             self.s.stats["withdrawn"] += 1
             self.on_evict(preq.prid)
@@ -271,8 +277,7 @@ class Producer:
             if not group.regs:
                 self.pending_regs.pop_value(group)
         self.pairing.refuse_unknown(now)
-        self.tombstones = {k: until for k, until in self.tombstones.items() if until >= now}
-        self.withdrawn = {k: until for k, until in self.withdrawn.items() if until >= now}
+        self.gone = {k: until for k, until in self.gone.items() if until >= now}
         self.pairing.forget(now)
         held: dict[str, list[wire.HbEntry]] = defaultdict(list)
         for group in self.pending_regs.values():
@@ -301,8 +306,10 @@ class Producer:
             leg.flight = early
         preq.legs[reg.decode_tp_rank] = leg
         self.by_dkey[(pend.sender, reg.request_id)] = leg
-        transition(leg, State.MATCHED, leg.name, f"with D request {reg.request_id}")
-        why = _prompt_mismatch(preq.prompt, reg)
+        entered(leg, leg.name)
+        if len(preq.legs) == preq.expected and preq.state is State.STAGED:
+            transition(preq, State.MATCHED, preq.name, f"{preq.expected} D rank(s)")
+        why = prompt_mismatch(preq.prompt, reg)
         if why:  # D computed another prompt: its decode over our KV would be wrong
             self.s.stats["prompt_mismatch"] += 1
             log.warning("push %s refused: %s", leg.name, why)
@@ -343,13 +350,6 @@ class Producer:
             cause=cause,
         )
 
-    @staticmethod
-    def _same_prompt(prompt: wire.PromptPrint | None, group: PendingGroup | None) -> bool:
-        """No registration of ``group`` names a prompt other than ``prompt``."""
-        if prompt is None or group is None:
-            return True
-        return not any(_prompt_mismatch(prompt, p.reg) for p in group.regs.values())
-
     def _send_to(self, reg: wire.PushReg, msg: wire.Message) -> None:
         """Notify the D of ``reg``, after its handshake if that is still running."""
         peer = self.s.peers.get(reg.decode_host, reg.decode_port)
@@ -380,14 +380,15 @@ class Producer:
             self.by_dkey.pop((t.sender, t.reg.request_id), None)
         self.sender.forget(t)
         if t.preq is not None:
-            t.preq.resolved += 1
             self._maybe_done(t.preq)
 
     def _maybe_done(self, preq: PRequest) -> None:
-        if preq.resolved < len(preq.legs) or preq.waiting():
+        """Free the request's blocks once it waits for no registration and every leg ended."""
+        if preq.state is State.STAGED or not preq.ended_legs():
             return
         if self.by_prid.pop(preq.prid, None) is None:
             return
+        transition(preq, preq.outcome(), preq.name)
         self.staged.pop_value(preq)
         self.pairing.request_ended(preq)
         self.s.emit("sent", preq.prid)

@@ -1,10 +1,11 @@
-"""The record of one transfer on each side: P's leg (``PushTransfer``, with the request
-it belongs to and what waits for it) and D's receive (``RecvTransfer``); and ``Route``,
-the interface a leg's bytes go through (here, so that a leg can name what posted it).
+"""The record of each transfer, with its states: P's request (``PRequest``) and its legs
+(``PushTransfer``, one per D rank), D's receive (``RecvTransfer``); and ``Route``, the
+interface a leg's bytes go through (here, so that a leg can name what posted it).
 
 Each record carries its own state, its legal moves (``MOVES``, checked by
-``types.transition``) and ``poll()``; the producer and consumer keep them in their
-tables by id. Plain data: no I/O here.
+``types.transition``; docs/architecture.md, "Transfer states", shows all three tables
+and when each move happens). The producer and consumer keep the records in a few
+indexes for lookups; what a transfer is doing is its record's state. Plain data: no I/O.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from kvpush.core.layers import LayerFeed
 from kvpush.core.peer_copy import CopyDst
 from kvpush.core.peers import Peer
 from kvpush.core.transport import WriteState
-from kvpush.core.types import POLL, Moves, Poll, RecvRegistration, StagedBlocks, State
+from kvpush.core.types import ENDED, POLL, Moves, Poll, RecvRegistration, StagedBlocks, State
 
 DKey = tuple[str, str]  # (D agent that registered, D request id)
 
@@ -136,22 +137,62 @@ class HandOver:
 
 @dataclass
 class PRequest:
-    """A finished P request: one leg per D rank that registered (every D rank does)."""
+    """One P request whose blocks the engine handed over: one leg per D rank's
+    registration (every D rank registers); its blocks are freed once every leg ended."""
+
+    # Every legal move (docs/architecture.md, "Transfer states", shows this table).
+    MOVES: ClassVar[Moves] = {
+        State.STAGED: frozenset(
+            {
+                State.MATCHED,  # every D rank's registration came: each has its leg
+                State.EVICTING,  # lease ran out, aborted, or D withdrew it
+            }
+        ),
+        State.MATCHED: frozenset(
+            {
+                State.DONE,  # every leg DONE
+                State.FAILED,  # every leg ended, one not DONE
+                State.EVICTING,
+            }
+        ),
+        State.EVICTING: frozenset({State.EXPIRED}),  # no leg in flight any more
+    }
 
     prid: str
     blocks: list[list[int]]
     tid: str | None
+    state: State = State.STAGED
     expected: int | None = None  # D's TP size, known from the first registration
     after: Any = None  # StagedBlocks.after until waited for (None: the bytes are final)
     feed: LayerFeed | None = None  # pushed layer by layer (StagedBlocks.feed)
     prompt: wire.PromptPrint | None = None  # P's prompt (StagedBlocks.prompt)
-    legs: dict[int, PushTransfer] = field(default_factory=dict)
-    resolved: int = 0
-    ended: bool = False  # evicted: no more legs will be started
+    legs: dict[int, PushTransfer] = field(default_factory=dict)  # by D tp rank
     since: float = field(default_factory=time.monotonic)  # handed to the producer
+    stats: Counter[str] | None = field(default=None, repr=False)  # counts illegal moves
 
-    def waiting(self) -> bool:
-        return not self.ended and (self.expected is None or len(self.legs) < self.expected)
+    @property
+    def name(self) -> str:
+        return self.tid or self.prid
+
+    @property
+    def evicted(self) -> bool:
+        return self.state in (State.EVICTING, State.EXPIRED)
+
+    def ended_legs(self) -> bool:
+        """Every leg it has so far has ended."""
+        return all(leg.state in ENDED for leg in self.legs.values())
+
+    def outcome(self) -> State:
+        """The state every ended leg leaves the request in."""
+        if self.evicted:
+            return State.EXPIRED
+        ok = all(leg.state is State.DONE for leg in self.legs.values())
+        return State.DONE if ok else State.FAILED
+
+
+# How a leg ends before anything is posted: an invalid registration, a failed handshake
+# or post (FAILED), the lease ran out (EXPIRED), D's PUSH_CANCEL (CANCELLED).
+_UNPOSTED_ENDS = frozenset({State.FAILED, State.EXPIRED, State.CANCELLED})
 
 
 @dataclass
@@ -160,41 +201,36 @@ class PushTransfer:
 
     # Every legal move (docs/architecture.md, "Transfer states", shows this table).
     MOVES: ClassVar[Moves] = {
-        State.STAGED: frozenset({State.MATCHED}),  # _attach: a leg is born matched
         State.MATCHED: frozenset(
             {
-                State.WRITING,  # WRITE posted or copy launched
                 State.DEFERRED,  # handshake with D still running
+                State.RECHECKING,  # D's address answers as another agent: handshake again
+                State.SETTLING,  # routed; device work on P's blocks still running
+                State.WRITING,  # WRITE posted or copy launched
                 State.DONE,  # this P rank feeds nothing of that D rank
-                State.FAILED,  # invalid registration, post or launch failed
-                State.EXPIRED,  # lease ran out (also while settling)
-                State.CANCELLED,  # PUSH_CANCEL
             }
+            | _UNPOSTED_ENDS
         ),
-        State.DEFERRED: frozenset(
-            {
-                State.WRITING,
-                State.DEFERRED,  # D restarted as a new agent: handshake again
-                State.FAILED,
-                State.EXPIRED,
-                State.CANCELLED,
-            }
-        ),
+        State.DEFERRED: frozenset({State.RECHECKING, State.SETTLING, State.WRITING})
+        | _UNPOSTED_ENDS,
+        State.RECHECKING: frozenset({State.SETTLING, State.WRITING}) | _UNPOSTED_ENDS,
+        # (its peer may have gone meanwhile: the handshake again)
+        State.SETTLING: frozenset({State.DEFERRED, State.RECHECKING, State.WRITING})
+        | _UNPOSTED_ENDS,
         # Neither lease nor cancel ends a WRITE in flight: only its outcome.
-        State.WRITING: frozenset({State.DONE, State.FAILED}),
+        State.WRITING: frozenset({State.CANCELLING, State.DONE, State.FAILED}),
+        State.CANCELLING: frozenset({State.DONE, State.FAILED}),  # D is answered by it
     }
 
     prid: str
     blocks: list[list[int]]
     tid: str | None
-    state: State = State.STAGED
+    state: State = State.MATCHED  # a leg is made when P's blocks and a registration meet
     reg: wire.PushReg | None = None
     dst: list[np.ndarray] = field(default_factory=list)  # reg's ids, as arrays
     sender: str = ""
     armed: Armed | None = None  # what its route prepared at registration, if anything
     flight: Flight | None = None  # posted (also before this leg existed: launch_armed)
-    cancelled: bool = False  # D cancelled while the WRITE was in flight
-    rechecked: bool = False  # the decoder's address was handshaken again (restart)
     staged_at: float = field(default_factory=time.monotonic)
     preq: PRequest | None = None
     stats: Counter[str] | None = field(default=None, repr=False)  # counts illegal moves

@@ -61,7 +61,7 @@ class WriteRoute(Route):
         pairs, notif = armed.handle
         try:
             if staged.after is not None and not staged.after.query():
-                return None  # the blocks' writes still run: the leg waits in ``settling``
+                return None  # the blocks' writes still run: the leg waits SETTLING
             src_groups = source_blocks(pend.dst, staged.block_ids)
             src, dst = self._descs(peer, pairs, src_groups, pend.dst, True)
             handle = self.peers.transport.write(peer.agent, src, dst, notif)

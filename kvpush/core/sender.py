@@ -3,11 +3,11 @@
 The sender alone calls a route (``arm``, ``launch``, ``post``, ``poll``), through its
 chooser (core/routes.py: the same-host copy, the NIXL WRITE or its layer-wise form).
 ``arm`` prepares a registration's leg before P's blocks are ready; ``launch_armed``
-posts it the moment they are. ``push`` takes a MATCHED (or DEFERRED) leg: it waits for
-the handshake with D if need be, then posts the leg on its route. ``check`` posts the
-legs whose blocks' device work ended and polls what is in flight, ending each leg DONE
-or FAILED. The producer owns the legs; it learns of an end through ``done`` and
-``fail``.
+posts it the moment they are. ``push`` takes a leg that waits (MATCHED, DEFERRED,
+RECHECKING, SETTLING): it waits for the handshake with D if need be, then posts the leg
+on its route. ``check`` posts the SETTLING legs whose blocks' device work ended and polls
+the WRITING ones, ending each DONE or FAILED. The producer owns the legs; it learns of an
+end through ``done`` and ``fail``.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from kvpush.core.records import Armed, Flight, PendingGroup, PushTransfer
 from kvpush.core.route import settled
 from kvpush.core.routes import Routes
 from kvpush.core.transport import WriteState
-from kvpush.core.types import ENDED, StagedBlocks, State, transition
+from kvpush.core.types import ENDED, Poll, StagedBlocks, State, transition
 
 log = logging.getLogger(__name__)
 
@@ -52,14 +52,19 @@ class Sender:
         self._replay = replay  # the callback that brings a leg back after its handshake
         self._done = done
         self._fail = fail
-        self.writing: dict[int, PushTransfer] = {}  # posted legs, by id() of the leg
-        self.settling: dict[int, PushTransfer] = {}  # legs waiting for their blocks' event
+        # The legs ``check`` looks at (SETTLING, WRITING, CANCELLING), by id() of the leg.
+        self.moving: dict[int, PushTransfer] = {}
 
     def busy(self) -> bool:
-        return bool(self.writing or self.settling)
+        return bool(self.moving)
+
+    @property
+    def writing(self) -> list[PushTransfer]:
+        """The legs posted and not yet ended."""
+        return [t for t in self.moving.values() if t.poll() is Poll.TRANSFERRING]
 
     def forget(self, t: PushTransfer) -> None:
-        self.writing.pop(id(t), None)
+        self.moving.pop(id(t), None)
 
     def arm(self, peer: Peer, reg: wire.PushReg, dst: list[np.ndarray]) -> Armed | None:
         """D registered before P's blocks are ready: what its route can prepare now."""
@@ -92,12 +97,14 @@ class Sender:
         host, port = reg.decode_host, reg.decode_port
         peer = self.peers.ensure(host, port, self._replay(t, host, port))
         if peer is None:
-            transition(t, State.DEFERRED, t.name, "waiting for handshake with D")
+            if t.state not in (State.DEFERRED, State.RECHECKING):  # (waiting already)
+                transition(t, State.DEFERRED, t.name, "waiting for handshake with D")
             return
         if peer.agent != t.sender:
-            if not t.rechecked and t.sender not in self.peers.by_agent:
+            if t.state is not State.RECHECKING and t.sender not in self.peers.by_agent:
                 # The decoder at that address may have restarted as a new agent: ask again.
-                t.rechecked = True
+                why = f"{host}:{port} is {peer.agent} now: handshake again"
+                transition(t, State.RECHECKING, t.name, why)
                 self.peers.forget(peer.agent)
                 self.push(t)
                 return
@@ -117,14 +124,16 @@ class Sender:
         except TransportError as e:
             self._fail(t, peer, str(e))
             return
-        if flight is None:
-            self.settling[id(t)] = t  # check posts it once the event is done
+        if flight is None:  # check posts it once the blocks' device work ended
+            if t.state is not State.SETTLING:
+                transition(t, State.SETTLING, t.name, "P's blocks still follow device work")
+            self.moving[id(t)] = t
             return
         self._posted(t, flight)
 
     def _posted(self, t: PushTransfer, f: Flight) -> None:
         t.flight, f.name = f, t.name
-        self.writing[id(t)] = t
+        self.moving[id(t)] = t
         route = f.route
         self.stats[route.posts] += 1
         self.stats[route.units] += f.units
@@ -136,19 +145,19 @@ class Sender:
         """Post the legs whose blocks' device work ended; end the posted ones that are
         over. Returns how many changed."""
         changed = 0
-        for key, t in list(self.settling.items()):
-            if t.state in ENDED or settled(t):
-                del self.settling[key]
+        for t in [t for t in self.moving.values() if t.state is State.SETTLING]:
+            if settled(t):
+                del self.moving[id(t)]
                 changed += 1
-                self.push(t)  # (drops it if it ended meanwhile)
-        for t in list(self.writing.values()):
+                self.push(t)
+        for t in self.writing:
             f = t.flight
             assert f is not None
             state = f.route.poll(f)
             if state is WriteState.PENDING:
                 continue
             changed += 1
-            del self.writing[id(t)]
+            del self.moving[id(t)]
             f.route.release(f)
             t.flight = None
             if state is WriteState.DONE:

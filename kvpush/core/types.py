@@ -20,15 +20,21 @@ log = logging.getLogger("kvpush.transfer")
 
 class State(enum.Enum):
     """Named states of a transfer. Which moves are legal is each record's ``MOVES`` table
-    (``producer.PushTransfer``, ``consumer.RecvTransfer``); ``transition`` enforces it."""
+    (``records.PRequest``, ``records.PushTransfer``, ``records.RecvTransfer``);
+    ``transition`` enforces it."""
 
     REGISTERED = "registered"  # D: registration known, not yet sent to P
     AWAITING = "awaiting"  # D: registration sent, waiting for P's WRITE
-    CANCELLING = "cancelling"  # D: aborted, waiting for P to confirm nothing is in flight
-    STAGED = "staged"  # P: blocks finished, waiting for D's registration
-    MATCHED = "matched"  # P: both halves known
-    DEFERRED = "deferred"  # P: matched, waiting for the handshake with D
-    WRITING = "writing"  # P: WRITE posted
+    # D: aborted, waiting for P to confirm nothing is in flight; P leg: D cancelled while
+    # writing, and the WRITE's outcome answers D
+    CANCELLING = "cancelling"
+    STAGED = "staged"  # P request: blocks finished, waiting for D's registrations
+    EVICTING = "evicting"  # P request: evicted, waiting for its legs in flight to end
+    MATCHED = "matched"  # P leg (and request, once every D rank has one): both halves known
+    DEFERRED = "deferred"  # P leg: matched, waiting for the handshake with D
+    RECHECKING = "rechecking"  # P leg: D's address answered as a new agent: handshake again
+    SETTLING = "settling"  # P leg: routed, waiting for device work on P's blocks to end
+    WRITING = "writing"  # P leg: WRITE posted (or copy launched)
     DONE = "done"
     FAILED = "failed"
     EXPIRED = "expired"  # lease (P) or watchdog (D) ran out
@@ -49,9 +55,12 @@ POLL = {
     State.STAGED: Poll.WAITING,
     State.MATCHED: Poll.WAITING,
     State.DEFERRED: Poll.WAITING,
+    State.RECHECKING: Poll.WAITING,
+    State.SETTLING: Poll.WAITING,  # nothing posted yet
     State.AWAITING: Poll.TRANSFERRING,  # P holds the registration: it may write any time
     State.CANCELLING: Poll.TRANSFERRING,  # a WRITE may still land until P confirms
     State.WRITING: Poll.TRANSFERRING,
+    State.EVICTING: Poll.TRANSFERRING,  # a leg may still write from its blocks
     State.DONE: Poll.SUCCESS,
     State.FAILED: Poll.FAILED,
     State.EXPIRED: Poll.FAILED,

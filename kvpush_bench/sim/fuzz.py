@@ -227,7 +227,7 @@ def run_fuzz(
             "handled": {k: target.stat(k) for k in IGNORED_STATS if target.stat(k)},
             # what hostile input left behind on P (bounded by registration_ttl_s, not count)
             "p_pending_registrations": len(target.p.worker.producer.pending_regs),
-            "p_tombstones": len(target.p.worker.producer.tombstones),
+            "p_remembered": len(target.p.worker.producer.gone),
             "categories": dict(sorted(categories.items())),
             "registration_breaks": dict(sorted(gen.breaks.items())),
             "crash_samples": (decoder_crashes + target.crashes)[:10],

@@ -10,7 +10,7 @@ from collections.abc import Callable
 import numpy as np
 
 from kvpush.core.layers import LayerFeed, Piece
-from kvpush.core.types import StagedBlocks
+from kvpush.core.types import StagedBlocks, State
 from kvpush_bench.sim.engine import content_key
 from tests.unit.test_push_states import Pair, recv_ok
 
@@ -180,7 +180,8 @@ def test_a_cancel_stops_further_layers(pair_factory: Callable[..., Pair]) -> Non
     pair.until(lambda: len(pair.fabric.writes) == 1, what="one layer in flight")
     pair.d.abort(DRID)
     legs = pair.p.worker.producer.by_dkey
-    pair.until(lambda: any(t.cancelled for t in legs.values()), what="P saw the cancel")
+    saw = lambda: any(t.state is State.CANCELLING for t in legs.values())  # noqa: E731
+    pair.until(saw, what="P saw the cancel")
     for name in layers[1:]:
         feed.add(Piece(name, [blocks], [0]))
     feed.close()

@@ -193,11 +193,11 @@ def test_withdrawn_before_registering_frees_p_at_once(
         pair.until(lambda: len(pair.p.worker.producer.staged) == 1)
     pair.d.withdraw("d1", "t1", "P", "127.0.0.1", pair.p.spec.port)
     if not p_first:
-        pair.until(lambda: "t1" in pair.p.worker.producer.withdrawn, what="P heard it")
+        pair.until(lambda: ("withdrawn", "t1") in pair.p.worker.producer.gone, what="P heard it")
         pair.p.prefill("p1", "t1", 4)
     pair.until(lambda: "sent" in pair.p_kinds("p1"), timeout=5.0, what="P freed p1")
     assert pair.p.worker.stats["withdrawn"] == 1 and pair.p.worker.stats["writes"] == 1
-    assert not pair.p.worker.producer.withdrawn
+    assert not [k for k in pair.p.worker.producer.gone if k[0] == "withdrawn"]
     pair.settle()
 
 

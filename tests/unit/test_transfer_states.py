@@ -13,10 +13,14 @@ import pytest
 
 from kvpush.core import types
 from kvpush.core.consumer import RecvTransfer
-from kvpush.core.producer import PushTransfer
+from kvpush.core.records import PRequest, PushTransfer
 from kvpush.core.types import ENDED, POLL, IllegalTransition, Poll, RecvRegistration, State
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "architecture.md"
+
+
+def p_request(state: State) -> PRequest:
+    return PRequest("p1", [[1, 2]], "t1", state=state, stats=Counter())
 
 
 def p_leg(state: State) -> PushTransfer:
@@ -29,7 +33,8 @@ def d_recv(state: State) -> RecvTransfer:
 
 
 RECORDS = [
-    pytest.param(p_leg, PushTransfer.MOVES, id="P"),
+    pytest.param(p_request, PRequest.MOVES, id="P request"),
+    pytest.param(p_leg, PushTransfer.MOVES, id="P leg"),
     pytest.param(d_recv, RecvTransfer.MOVES, id="D"),
 ]
 
@@ -70,7 +75,10 @@ def test_a_few_illegal_moves_by_name() -> None:
         (p_leg(State.WRITING), State.CANCELLED),  # a WRITE in flight ends by its outcome
         (p_leg(State.WRITING), State.EXPIRED),
         (p_leg(State.DONE), State.WRITING),
-        (p_leg(State.STAGED), State.WRITING),  # never without D's registration
+        (p_leg(State.SETTLING), State.DONE),  # nothing was posted
+        (p_leg(State.CANCELLING), State.CANCELLED),  # its WRITE's outcome ends it
+        (p_request(State.STAGED), State.DONE),  # a D rank has not registered yet
+        (p_request(State.EVICTING), State.DONE),  # evicted: it ends EXPIRED
         (d_recv(State.AWAITING), State.CANCELLED),  # not before every source is quiet
         (d_recv(State.CANCELLED), State.DONE),
         (d_recv(State.REGISTERED), State.CANCELLING),  # nothing was sent to cancel
@@ -113,13 +121,15 @@ def test_poll_names_every_state() -> None:
     assert d_recv(State.DONE).poll() is Poll.SUCCESS
     assert d_recv(State.EXPIRED).poll() is Poll.FAILED
     # Only a record's own states: P's never pass through D's and the reverse.
-    for moves in (PushTransfer.MOVES, RecvTransfer.MOVES):
+    for moves in (PRequest.MOVES, PushTransfer.MOVES, RecvTransfer.MOVES):
         assert set(POLL[s] for s in moves) <= {Poll.WAITING, Poll.TRANSFERRING}
+    assert not set(PRequest.MOVES) & set(RecvTransfer.MOVES)
+    assert not set(PushTransfer.MOVES) & set(RecvTransfer.MOVES) - {State.CANCELLING}
 
 
 def test_the_architecture_doc_shows_exactly_the_tables() -> None:
     text = DOCS.read_text()
-    for moves in (PushTransfer.MOVES, RecvTransfer.MOVES):
+    for moves in (PRequest.MOVES, PushTransfer.MOVES, RecvTransfer.MOVES):
         drawn = types.render_moves(moves)
         assert f"```text\n{drawn}\n```" in text, drawn
 
@@ -255,11 +265,17 @@ class StubP:
         self.transport = self
         self.sent: list[Any] = []
         self.events: list[tuple[str, str]] = []
+        self.forgotten: list[str] = []
         if connected:
             self.connect()
 
     def connect(self) -> None:
-        self.by_key[("h", 7)] = self.by_agent["D0"] = self.peer
+        self.by_key[("h", 7)] = self.by_agent[self.peer.agent] = self.peer
+
+    def forget(self, agent: str, failed: bool = False) -> None:
+        self.forgotten.append(agent)
+        self.by_agent.pop(agent, None)
+        self.by_key = {k: v for k, v in self.by_key.items() if v.agent != agent}
 
     def get(self, host: str, port: int) -> Any:
         return self.by_key.get((host, port))
@@ -310,16 +326,18 @@ class StubP:
         return False
 
 
-def push_reg(port: int, transfer_id: str | None = None) -> Any:
-    """D request d1's registration of blocks 1 and 2, from a decoder at h:``port``."""
+def push_reg(port: int, transfer_id: str | None = None, rank: int = 0, ranks: int = 1) -> Any:
+    """D request d1's registration of blocks 1 and 2, from a decoder at h:``port`` (its
+    rank ``rank`` of ``ranks``)."""
     from kvpush.core import wire
 
     return wire.PushReg(
-        request_id="d1",
+        request_id=f"d1.{rank}" if rank else "d1",
         decode_engine_id="D",
         decode_host="h",
         decode_port=port,
-        decode_tp_size=1,
+        decode_tp_size=ranks,
+        decode_tp_rank=rank,
         local_block_ids=[[1, 2]],
         remote_engine_id="P",
         remote_host="h",
@@ -375,16 +393,60 @@ def test_stepped_cancel_and_lease_end_a_waiting_leg_not_a_writing_one() -> None:
     p, w, leg = stepped_p()
     p.on_cancel("D0", PushCancel(request_id="d1", transfer_id="t1"))
     p.on_evict("p1")
-    assert leg.state is State.WRITING and leg.cancelled and w.events == []  # its outcome ends it
+    preq = leg.preq
+    assert leg.state is State.CANCELLING and w.events == []  # its outcome ends it
+    assert preq.state is State.EVICTING and leg.poll() is Poll.TRANSFERRING
     w.end_writes(ok=True)
     p.sender.check()
     assert leg.state is State.DONE and w.events == [("sent", "p1")]
+    assert preq.state is State.EXPIRED and not p.by_prid and not p.sender.busy()
     p, w, leg = stepped_p(connected=False)
     p.on_cancel("D0", PushCancel(request_id="d1", transfer_id="t1"))
     assert leg.state is State.CANCELLED and w.events == [("sent", "p1")]
     p, w, leg = stepped_p(connected=False)
     p.on_evict("p1")
     assert leg.state is State.EXPIRED and w.stats["lease_expired"] == 1
+    assert leg.preq.state is State.EXPIRED and w.events == [("sent", "p1")]
+
+
+def test_stepped_request_is_staged_until_every_d_rank_has_a_leg_then_ends_by_its_legs() -> None:
+    from kvpush.core.producer import Producer
+    from kvpush.core.types import StagedBlocks
+
+    w = StubP()
+    p = Producer(w)  # type: ignore[arg-type]
+    p.on_finished(StagedBlocks("p1", [[5, 6]], "t1"))
+    preq = p.by_prid["p1"]
+    assert preq.state is State.STAGED and p.staged.by_tid("t1") is preq
+    p.on_push_reg("D0", push_reg(7, "t1", rank=0, ranks=2))
+    assert preq.state is State.STAGED and preq.legs[0].state is State.WRITING
+    w.end_writes(ok=True)
+    p.sender.check()  # one leg DONE; the other D rank has not registered: blocks kept
+    assert preq.legs[0].state is State.DONE and preq.state is State.STAGED and not w.events
+    p.on_push_reg("D0", push_reg(7, "t1", rank=1, ranks=2))
+    assert preq.state is State.MATCHED and p.staged.by_tid("t1") is None
+    assert preq.legs[1].state is State.WRITING and len(w.writes) == 2
+    w.end_writes(ok=False)  # the second rank's WRITE fails (the first one's has ended)
+    p.sender.check()
+    assert preq.legs[1].state is State.FAILED and preq.state is State.FAILED
+    assert w.events == [("sent", "p1")] and not p.by_prid and not p.by_dkey
+
+
+def test_stepped_leg_rechecks_a_restarted_decoder_once_then_fails() -> None:
+    from kvpush.core.wire import PushFail
+
+    p, w, leg = stepped_p(connected=False)
+    assert leg.state is State.DEFERRED
+    w.peer = SimpleNamespace(agent="D1", info=w.peer.info)  # D at h:7 restarted as D1
+    w.connect()
+    w.waiting.pop()(None)
+    p.on_deferred(p.deferred_push_inbox.get_nowait())
+    assert leg.state is State.RECHECKING and w.forgotten == ["D1"] and len(w.waiting) == 1
+    w.connect()  # the new handshake answers D1 again: not the agent that registered
+    w.waiting.pop()(None)
+    p.on_deferred(p.deferred_push_inbox.get_nowait())
+    assert leg.state is State.FAILED and leg.preq.state is State.FAILED
+    assert any(isinstance(m, PushFail) and "not by D1" in m.reason for m in w.sent)
 
 
 def test_a_hand_over_is_reported_once_sent_and_confirmed_in_either_order() -> None:

@@ -121,7 +121,7 @@ def test_notifications_from_unauthenticated_agents_are_dropped(make: Callable[..
     assert not pair.d_kinds("d1")  # neither completed nor failed by the rogue
     group = next(iter(pair.p.worker.producer.pending_regs.values()))
     assert [p.sender for p in group.regs.values()] == [d_agent]
-    assert not pair.p.worker.producer.tombstones
+    assert not pair.p.worker.producer.gone
     pair.p.prefill("p1", "t1", 3)
     pair.until(lambda: recv_ok(pair, "d1"), what="the honest push")
     assert d_agent in pair.p.worker.peers.authenticated
