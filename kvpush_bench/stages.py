@@ -1,5 +1,5 @@
 """Where a kvpush request's time goes: stage marks (kvpush.core.trace) lined up with the
-client's own send time and first token.
+client's own send time and its first and second tokens.
 
 Every mark carries the transfer id, the request id, or both; D's marks that know only
 its request id are tied to the transfer through ``d_sched.alloc`` (which has both).
@@ -60,8 +60,9 @@ def by_transfer(events: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
 
 def breakdown(samples: list[Any], events: list[dict[str, Any]]) -> dict[str, Any]:
     """Per stage: the median (and p90) offset from the client's send over ``samples``
-    (objects with ``request_id``, ``sent_at``, ``ok`` and ``ttft_s``); the client's first
-    token last. Stages no sample reached are left out."""
+    (objects with ``request_id``, ``sent_at``, ``ok``, ``ttft_s`` and optionally
+    ``second_s``); the client's first and second tokens last. Stages no sample reached are
+    left out."""
     marks = by_transfer(events)
     offsets: dict[str, list[float]] = defaultdict(list)
     traced = 0
@@ -73,10 +74,11 @@ def breakdown(samples: list[Any], events: list[dict[str, Any]]) -> dict[str, Any
         for stage, t in m.items():
             offsets[stage].append((t - s.sent_at) * 1e3)
         offsets["client.first_token"].append(s.ttft_s * 1e3)
-    order = [*STAGES, *sorted(set(offsets) - set(STAGES) - {"client.first_token"})]
-    stages = {
-        st: summary(offsets[st], 2) for st in [*order, "client.first_token"] if offsets.get(st)
-    }
+        if getattr(s, "second_s", 0.0):
+            offsets["client.second_token"].append(s.second_s * 1e3)
+    client = ("client.first_token", "client.second_token")
+    order = [*STAGES, *sorted(set(offsets) - set(STAGES) - set(client))]
+    stages = {st: summary(offsets[st], 2) for st in [*order, *client] if offsets.get(st)}
     return {"traced_requests": traced, "offset_ms": stages}
 
 
@@ -86,7 +88,8 @@ STEP_EVENTS = ("sched.step", "sched.update", "worker.start", "worker.save", "wor
 
 def timelines(samples: list[Any], events: list[dict[str, Any]], keep: int = 3) -> list[Any]:
     """For the first ``keep`` traced samples: every mark of its transfer and every step
-    mark of P's and D's processes from the client's send to its first token (+2 ms), as
+    mark of P's and D's processes from the client's send to its second token (its first
+    when there is none) +2 ms, as
     ``[ms from send, side, event, n]`` in time order (side: P, D, router or ?)."""
     marks = by_transfer(events)
     tid_of = transfer_of(events)
@@ -100,7 +103,8 @@ def timelines(samples: list[Any], events: list[dict[str, Any]], keep: int = 3) -
         m = marks.get(s.request_id)
         if not s.ok or not s.sent_at or m is None:
             continue
-        end = s.sent_at + s.ttft_s + 0.002
+        second = getattr(s, "second_s", 0.0)
+        end = s.sent_at + max(s.ttft_s, second) + 0.002
         rows = []
         for e in events:
             t = float(e["t"])
@@ -111,7 +115,9 @@ def timelines(samples: list[Any], events: list[dict[str, Any]], keep: int = 3) -
                 side = side_of.get(str(e.get("pid")), "?")
                 rows.append([round((t - s.sent_at) * 1e3, 3), side, e["ev"], e.get("n")])
         rows.append([round(s.ttft_s * 1e3, 3), "client", "first_token", None])
-        out.append(rows)
+        if second:
+            rows.append([round(second * 1e3, 3), "client", "second_token", None])
+        out.append(sorted(rows, key=lambda r: r[0]))
         if len(out) >= keep:
             break
     return out

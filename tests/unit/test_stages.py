@@ -56,3 +56,17 @@ def test_failed_and_untraced_samples_are_left_out() -> None:
     unknown = SimpleNamespace(request_id="nope", sent_at=T0, ok=True, ttft_s=0.01)
     assert breakdown([failed, unknown], EVENTS)["traced_requests"] == 0
     assert timelines([failed, unknown], EVENTS) == []
+
+
+def test_the_second_token_extends_the_timeline_and_has_its_own_stage() -> None:
+    late_step = ev(9.5, "sched.step", "d")  # D's step that makes the second token
+    events = [*EVENTS, late_step]
+    sample = SimpleNamespace(request_id="t1", sent_at=T0, ok=True, ttft_s=0.007, second_s=0.01)
+    out = breakdown([sample], events)["offset_ms"]
+    assert list(out)[-2:] == ["client.first_token", "client.second_token"]
+    assert out["client.second_token"]["median"] == 10.0
+    (rows,) = timelines([sample], events)
+    names = [r[2] for r in rows]
+    assert names[-3:] == ["first_token", "sched.step", "second_token"]  # in time order
+    assert [r[0] for r in rows] == sorted(r[0] for r in rows)
+    assert "d_sched.alloc" not in names[names.index("first_token") :]  # t2's stays out
