@@ -8,8 +8,9 @@
 #   here, once:          ../shared/tools/gpu-vllm/bundle.sh && scripts/load_bench_device.sh prep
 #   call 1 (carry .vl1): scripts/load_bench_device.sh one    piece 1, GPU and MPS binary check
 #   call 2 (carry .vl2): scripts/load_bench_device.sh two    piece 2, the model (bench shape)
-#   call 3 (carry .lb):  BUDGET=580 scripts/load_bench_device.sh run
-#                        unpack, then mix A and mix B, every contender, until the call's budget
+#   call 3 (carry .lb):  BUDGET=580 scripts/load_bench_device.sh run [load_bench_gpu flags]
+#                        unpack, then (default) mix A and mix B, every contender, as tag
+#                        `shared`, until the call's budget
 #   later calls (warm):  scripts/load_bench_device.sh again TAG DEADLINE LIMIT [load_bench_gpu flags]
 #                        scripts/load_bench_device.sh mps TAG DEADLINE LIMIT [flags]  (P, D under MPS)
 # Results come back as $OUT/<tag>.tgz (vLLM's JSONs, summary.json, logs) and $OUT/<tag>.log.
@@ -74,7 +75,9 @@ run)
     python3 -c "import vllm, nixl, vllm_router_rs; print(vllm.__version__)" || exit 1
     # Whatever time the call has left after unpacking: no run starts later than that allows.
     left=$((${BUDGET:-585} - ($(date +%s) - t)))
-    sweep shared $((left - 75)) $((left - 25)) "${MIXES[@]}"
+    shift
+    [ $# -gt 0 ] || set -- "${MIXES[@]}"
+    sweep shared $((left - 75)) $((left - 25)) "$@"
     ;;
 again)
     [ -d /tmp/site/vllm ] || { echo NOT-WARM; exit 3; }

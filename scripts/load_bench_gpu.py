@@ -240,9 +240,47 @@ def bench_argv(
         "--request-rate", str(rate), "--ignore-eos", "--temperature", "0",
         "--seed", str(args.seed), "--percentile-metrics", "ttft,tpot,itl,e2el",
         "--metric-percentiles", "50,90,99", "--ready-check-timeout-sec", "60",
-        "--disable-tqdm", "--save-result", "--result-dir", str(json_dir),
+        "--disable-tqdm", "--save-result", "--save-detailed", "--result-dir", str(json_dir),
         "--result-filename", fname,
     ]  # fmt: skip
+
+
+# What --save-detailed adds to a result JSON beyond the output lengths: dropped once a run's
+# requests are checked (the JSON is then what vLLM writes without the flag, plus
+# ``output_lens``), so docs/load/ stays small.
+BULKY = ("input_lens", "start_times", "ttfts", "itls", "generated_texts", "errors")
+
+
+def expected_lens(argv: list[str]) -> list[int]:
+    """The output length each request of a run asked for (``--ignore-eos``: what a whole
+    answer has), from ``vllm bench serve``'s own sampler fed the run's flags and seed."""
+    from vllm.benchmarks.datasets import get_samples
+    from vllm.benchmarks.serve import add_cli_args
+    from vllm.tokenizers import get_tokenizer
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser()
+    add_cli_args(parser)
+    a = parser.parse_args(argv)
+    return [r.expected_output_len for r in get_samples(a, get_tokenizer(a.model))]
+
+
+def cut_short(expected: list[int], got: list[Any]) -> int:
+    """Requests whose answer ended before its length: ``vllm bench serve`` counts a stream
+    that sent a first token as completed even when it ends in an error event, so a failure
+    after the first token shows only as a short answer."""
+    if len(got) != len(expected):
+        return len(expected)  # the run's outputs do not line up with its requests
+    return sum(1 for e, g in zip(expected, got, strict=True) if not isinstance(g, int) or g < e)
+
+
+def checked(res: dict[str, Any], argv: list[str], path: Path) -> int:
+    """A run's cut-short count; its JSON on disk loses the bulky per-request fields."""
+    short = cut_short(expected_lens(argv), list(res.get("output_lens") or []))
+    if path.exists():
+        saved = json.loads(path.read_text())
+        path.write_text(json.dumps({k: v for k, v in saved.items() if k not in BULKY}))
+    return short
 
 
 def _alarm(*_: object) -> None:
@@ -293,6 +331,7 @@ def sweep(
                     try:
                         res = bench(argv, args.run_limit)
                         row = {k: res.get(k) for k in ("completed", "failed", "duration")}
+                        row["cut_short"] = checked(res, argv, json_dir / fname)
                         row.update({k: v for k, v in res.items() if k.endswith("_ms")})
                         row["json"] = f"json/{mix['name']}/{fname}"
                     except (Exception, TimeoutError) as e:  # noqa: BLE001 - a run's failure is data
@@ -306,7 +345,7 @@ def sweep(
                         wall_s=round(time.monotonic() - started, 1),
                     )
                     summary["runs"].append(row)
-                    shown = ("completed", "failed", "p50_ttft_ms", "p99_ttft_ms", "p99_tpot_ms")
+                    shown = ("completed", "failed", "cut_short", "p50_ttft_ms", "p99_tpot_ms")
                     _log(f"{key}: {json.dumps({k: row.get(k) for k in (*shown, 'error')})}")
                     (out / "summary.json").write_text(json.dumps(summary, indent=1))
             finally:

@@ -11,7 +11,9 @@ is read the same way.
 Targets, at every rate where the plain server's TTFT p99 is under 200 ms: kvpush TTFT p50
 <= plain + 5 ms; kvpush TTFT p99 <= 1.2 x plain; kvpush TPOT p99 <= 0.75 x plain; kvpush's
 TTFT overhead over plain <= 0.2 x NixlPush's (judged at p50 and at p99, both shown); no
-failed request for any contender.
+failed request for any contender. A failed request is one vLLM's bench counts as failed or
+one whose answer was cut short (``cut_short``, counted by scripts/load_bench_gpu.py: the bench
+counts a stream that ends in an error event after its first token as completed).
 """
 
 from __future__ import annotations
@@ -50,6 +52,16 @@ def cells(summary: dict[str, Any]) -> dict[str, dict[float, dict[str, dict[str, 
     return out
 
 
+def failures(row: dict[str, Any]) -> int:
+    """A run's failed requests: failed as vLLM's bench counts them, plus those cut short."""
+    return int(row.get("failed") or 0) + int(row.get("cut_short") or 0)
+
+
+def _failed(row: dict[str, Any]) -> str:
+    short = int(row.get("cut_short") or 0)
+    return f"{row.get('failed')}" + (f" + {short} cut short" if short else "")
+
+
 def _f(v: Any, nd: int = 1) -> str:
     return "-" if v is None else f"{v:.{nd}f}"
 
@@ -81,7 +93,7 @@ def table(mix: str, by_rate: dict[float, dict[str, dict[str, Any]]], names: list
             elif "error" in r:
                 fails.append("run failed")
             else:
-                fails.append(f"{r.get('failed')}")
+                fails.append(_failed(r))
         row.append(" / ".join(fails))
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
@@ -98,7 +110,7 @@ def compact(by_rate: dict[float, dict[str, dict[str, Any]]], names: list[str]) -
         row = [f"{rate:g}"] + [_pair(runs.get(n), "ttft") for n in names]
         row += [_f(_get(runs, n, "p99_tpot_ms")) for n in names]
         row += [_f(_get(runs, n, "p99_itl_ms")) for n in names]
-        row.append(str(sum(int((runs.get(n) or {}).get("failed") or 0) for n in names)))
+        row.append(str(sum(failures(runs.get(n) or {}) for n in names)))
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 
@@ -140,9 +152,8 @@ def targets(by_rate: dict[float, dict[str, dict[str, Any]]]) -> list[dict[str, A
                 ratio = (k - p) / (x - p)  # type: ignore[operator]
             row[f"overhead_ratio_{q}"] = ratio
             row[f"overhead_{q}_ok"] = None if ratio is None else ratio <= 0.2
-        fails = [(runs.get(n) or {}).get("failed") for n in ORDER if n in runs]
-        row["failed"] = {n: (runs.get(n) or {}).get("failed", "run failed") for n in runs}
-        row["no_failures_ok"] = all(f == 0 for f in fails) and all(
+        row["failed"] = {n: "run failed" if "error" in r else failures(r) for n, r in runs.items()}
+        row["no_failures_ok"] = all(failures(r) == 0 for r in runs.values()) and all(
             "error" not in r for r in runs.values()
         )
         out.append(row)
@@ -193,7 +204,7 @@ def plot(
                 ys = [_get(by_rate[r], n, f"{q}_{metric}_ms") for r in xs]
                 ax.plot(xs, ys, style, marker="o", color=color, label=f"{SHORT[n]} {q}")
             for r in rates:
-                failed = (by_rate[r].get(n) or {}).get("failed")
+                failed = failures(by_rate[r].get(n) or {})
                 y = _get(by_rate[r], n, f"p99_{metric}_ms")
                 if failed and y is not None:
                     ax.annotate(f"{failed} failed", (r, y), color=color, fontsize=7)

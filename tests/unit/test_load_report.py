@@ -92,3 +92,35 @@ def test_proxy_legs() -> None:
     d = proxy.push_params(args, "abc")
     assert d["remote_request_id"] == "cmpl-abc-0" and d["do_remote_prefill"] is True
     assert (d["remote_engine_id"], d["remote_host"], d["remote_port"]) == ("push-prefill", "h", 5)
+
+
+def test_answers_cut_short_are_failures(tmp_path: Path) -> None:
+    """vLLM's bench counts a stream that ends in an error event after its first token as
+    completed. load_bench_gpu counts such answers (shorter than the length the request
+    asked for, from the bench's own sampler and seed) and the report fails the run on them."""
+    from kvpush.tiny_model import make_tiny_model
+
+    lb = _load("load_bench_gpu")
+    model = make_tiny_model(str(tmp_path / "m"), 0)
+    mix = {"name": "A", "input_len": 64, "output_len": 32}
+    args = argparse.Namespace(range_ratio=0.25, seed=3)
+    argv = lb.bench_argv(args, model, "http://127.0.0.1:9", mix, 12, 2.0, tmp_path, "x.json")
+    want = lb.expected_lens(argv)
+    assert len(want) == 12 and all(24 <= n <= 40 for n in want) and len(set(want)) > 1
+    assert lb.expected_lens(argv) == want  # the same seed: the same requests
+    got: list[Any] = list(want)
+    got[3], got[5] = 1, None
+    assert lb.cut_short(want, want) == 0
+    assert lb.cut_short(want, got) == 2
+    assert lb.cut_short(want, want[:-1]) == 12  # outputs that do not line up: all count
+    path = tmp_path / "x.json"
+    path.write_text(json.dumps({"completed": 12, "ttfts": [0.1] * 12, "output_lens": got}))
+    assert lb.checked({"output_lens": got}, argv, path) == 2
+    assert json.loads(path.read_text()) == {"completed": 12, "output_lens": got}
+
+    report = _load("load_report")
+    cut = {**_run(30, 60, 2.0), "cut_short": 2}
+    rows = report.targets({8.0: {"plain": _run(30, 60, 4.0), "kvpush": cut}})
+    assert rows[0]["ttft_p50_ok"] and rows[0]["failed"] == {"plain": 0, "kvpush": 2}
+    assert rows[0]["no_failures_ok"] is False
+    assert "0 + 2 cut short" in report.table("A", {8.0: {"kvpush": cut}}, ["kvpush"])
