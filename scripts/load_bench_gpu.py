@@ -18,7 +18,8 @@ flags: the random dataset, Poisson arrivals, ``--ignore-eos``, the same ``--seed
 contender, so the same prompts at the same moments). vLLM's result JSONs are kept under
 ``OUT/json/``; ``OUT/summary.json`` lists them and what was not run (``--deadline``: no run
 starts after that many seconds), and each run's ``cut_short``: answers shorter than their
-request asked for, which the bench counts as completed (`cut_short`). scripts/load_report.py renders the table, plots and targets.
+request asked for, which the bench counts as completed. scripts/load_report.py renders the
+table, plots and targets.
 
     python scripts/load_bench_gpu.py --out /tmp/lb --deadline 420 \
         --mix A:2048:128:160:8,24,48,96 --mix B:8192:256:32:2,4,8
