@@ -16,10 +16,14 @@ event and D's copy of the token out of D's stream.
 
 Numerically, D's recomputed token can still differ from P's (a near tie between P's
 prefill and D's one-token recompute). D's later tokens would follow from its own copy, so
-the router drops that stream (D aborts the request) and asks D for the whole request
-again, computed from the prompt as P computed it (`again_body`); the client gets that
-answer after its first token. Should its first token differ from P's too, the stream ends
-with an error event rather than with a text no single server would write.
+the router drops that stream (D aborts the request) and asks D again. A completion goes on
+from P's token: P's leg asks for the token ids (`return_token_ids`, taken out of the
+client's events unless the client asked too), and D gets the prompt's ids with P's token
+after them, one token fewer to write (`continue_body`); its stream then passes with its
+usage counted as the client's request (`Continued`). A chat request, or a completion
+whose ids P's answer lacks, is computed again from the whole prompt as P computed it
+(`again_body`); should that first token differ from P's too, the stream ends with an
+error event rather than with a text no single server would write.
 """
 
 from __future__ import annotations
@@ -93,6 +97,31 @@ def prefill_body(body: dict[str, Any], transfer_id: str, chat: bool) -> dict[str
     out["stream"] = True
     if body.get("stream_options") is not None:
         out["stream_options"] = body["stream_options"]
+    if not chat:
+        out["return_token_ids"] = True  # for `continue_body`; hidden unless asked
+    return out
+
+
+def ids_hidden(body: dict[str, Any], chat: bool) -> bool:
+    """Whether P's answer carries token ids the client did not ask for (`prefill_body`)."""
+    return not chat and body.get("return_token_ids") is not True
+
+
+def continue_body(dbody: dict[str, Any], first: Head) -> dict[str, Any] | None:
+    """D's request once more after its first token differed from P's, going on from P's
+    token: the prompt's token ids as P computed them with P's token after them, one token
+    fewer to write, without P's KV (D's prefix cache may still hold the pushed blocks).
+    None when P's answer lacks the ids or its token has no text of its own (the first part
+    of a character: D's text would then begin inside it)."""
+    if not first.p_prompt or len(first.p_token) != 1 or not first.texts.get("text"):
+        return None
+    drop = ("kv_transfer_params", "truncate_prompt_tokens")  # the ids are P's, cut already
+    out = {k: v for k, v in dbody.items() if k not in drop}
+    out["prompt"] = [*first.p_prompt, *first.p_token]
+    for name in ("max_tokens", "min_tokens"):
+        count = out.get(name)
+        if isinstance(count, int) and not isinstance(count, bool) and count > 0:
+            out[name] = count - 1
     return out
 
 
@@ -127,14 +156,19 @@ class Head:
     # The event carried the prompt's token ids (a completion's ``return_token_ids``):
     # vLLM sends them once, with a choice's first event, so D's copy goes.
     prompt_ids: bool = False
+    # P's prompt and token ids, also those taken out of the client's event
+    # (`ids_hidden`): what `continue_body` goes on from.
+    p_prompt: tuple[int, ...] = ()
+    p_token: tuple[int, ...] = ()
 
 
-def from_answer(data: bytes, chat: bool) -> Head | None:
+def from_answer(data: bytes, chat: bool, hide_ids: bool = False) -> Head | None:
     """The head of P's streamed answer; None when it is not one token that a plain
     server would send as is (it ended for another reason than its length, or its text
     shows an incomplete character as U+FFFD). An empty text (the token is the first part
     of a character) is sent as a plain server sends it: empty; D's copy then adds nothing
-    to take off."""
+    to take off. With `hide_ids`, the token ids in P's event are kept in `p_prompt` and
+    `p_token` and set to none in the client's, as a plain server writes them unasked."""
     events = [e for e in _events(data) if not e.startswith(_DONE)]
     out = []
     if chat:
@@ -158,11 +192,60 @@ def from_answer(data: bytes, chat: bool) -> Head | None:
     if chat:
         choice.pop("stop_reason", None)  # a chat chunk has it only when finished
     obj.pop("system_fingerprint", None)  # only on a finished chunk
+    p_token, p_prompt = _ints(choice.get("token_ids")), _ints(choice.get("prompt_token_ids"))
+    if hide_ids:
+        for key in ("token_ids", "prompt_token_ids"):
+            if key in choice:
+                choice[key] = None
     out.append(_event(obj))
-    ids = choice.get("token_ids")
-    token_ids = tuple(ids) if isinstance(ids, list) else ()
+    token_ids = _ints(choice.get("token_ids"))
     prompt_ids = isinstance(choice.get("prompt_token_ids"), list)
-    return Head(b"".join(out), texts, token_ids, prompt_ids)
+    return Head(b"".join(out), texts, token_ids, prompt_ids, p_prompt, p_token)
+
+
+def _ints(value: Any) -> tuple[int, ...]:
+    if not isinstance(value, list) or not all(bodies.is_int(v) for v in value):
+        return ()
+    return tuple(value)
+
+
+class Continued:
+    """D's stream of a continuation (`continue_body`) as the rest of the client's: its
+    usage counts P's token as written, not as prompt, and its first event loses the
+    prompt ids (D's have P's token on them; the client had P's)."""
+
+    def __init__(self) -> None:
+        self._buf = b""
+
+    def feed(self, piece: bytes) -> bytes:
+        self._buf += piece
+        out = []
+        while (end := self._buf.find(_END)) >= 0:
+            event, self._buf = self._buf[: end + len(_END)], self._buf[end + len(_END) :]
+            out.append(self._one(event))
+        return b"".join(out)
+
+    def rest(self) -> bytes:
+        """What is left unparsed when the stream ends (not a whole event)."""
+        rest, self._buf = self._buf, b""
+        return rest
+
+    def _one(self, event: bytes) -> bytes:
+        obj = _payload(event)
+        if not isinstance(obj, dict):
+            return event  # [DONE], or anything not an event of vLLM's
+        changed = False
+        usage = obj.get("usage")
+        if isinstance(usage, dict):
+            prompt, written = usage.get("prompt_tokens"), usage.get("completion_tokens")
+            if isinstance(prompt, int) and isinstance(written, int) and prompt > 0:
+                usage["prompt_tokens"], usage["completion_tokens"] = prompt - 1, written + 1
+                changed = True
+        choice = _choice(obj)
+        if choice is not None and choice.get("prompt_token_ids") is not None:
+            choice["prompt_token_ids"] = None  # as a plain server's later events have it
+            changed = True
+        return _event(obj) if changed else event
 
 
 class Trim:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any
+from typing import Any, Protocol
 
 from aiohttp import web
 
@@ -39,6 +39,15 @@ def error_code(chunk: bytes) -> int | None:
     except (ValueError, KeyError, AttributeError, TypeError):
         return 500
     return code if isinstance(code, int) else 500
+
+
+class Edit(Protocol):
+    """Changes a stream's events on the way (`pump`): fed pieces in order, it returns what
+    to pass on; `rest` what it still holds when the upstream ends."""
+
+    def feed(self, piece: bytes) -> bytes: ...
+
+    def rest(self) -> bytes: ...
 
 
 class _Watchdog:
@@ -73,9 +82,11 @@ async def pump(
     timeout: float,
     first: bytes = b"",
     client: asyncio.Transport | None = None,
+    edit: Edit | None = None,
 ) -> bool:
     """Copy the stream piece by piece as it arrives (starting with `first`, already
-    read); True once it ended with [DONE].
+    read); True once it ended with [DONE]. With `edit`, every piece goes through it, and
+    through aiohttp's writer.
 
     With `client` (the client's connection, for a response prepared with chunked
     encoding), once aiohttp's writer has sent the head, pieces go from the upstream
@@ -88,7 +99,9 @@ async def pump(
     without [DONE]."""
     watch = _Watchdog(timeout)
     tail = b""
-    chunk = first
+    if edit is not None:
+        client = None  # the direct path would pass pieces unedited
+    chunk = edit.feed(first) if edit is not None and first else first
 
     def sink(data: bytes) -> bool:
         nonlocal tail
@@ -107,13 +120,22 @@ async def pump(
                     upstream.relay(sink)
                 watch.since, watch.reading = watch.loop.time(), True
                 try:
-                    chunk = await upstream.readany()
+                    raw = await upstream.readany()
                 except OSError as exc:
                     raise legs.LegError(leg, "connection", f"{type(exc).__name__}: {exc}") from exc
                 finally:
                     upstream.relay(None)
                 watch.reading = False
-                if not chunk:
+                chunk = raw
+                if edit is not None:
+                    chunk = edit.feed(raw) if raw else edit.rest()
+                    if chunk:
+                        await out.write(chunk)
+                        tail = (tail + chunk)[-64:]
+                        chunk = b""
+                    if raw:
+                        continue
+                if not raw:
                     if tail.rstrip().endswith(DONE):
                         return True
                     raise legs.LegError(leg, "connection", "the stream ended without [DONE]")

@@ -40,7 +40,8 @@ async def serve(call: Call, dbody: dict[str, Any]) -> Outcome:
                 got = await open_first(call, dbody, call.retry_ok)
             else:
                 opening = asyncio.create_task(open_first(call, dbody, call.retry_ok))
-                got = await _first_of(opening, prefill, call.chat)
+                hide = head.ids_hidden(call.body, call.chat)
+                got = await _first_of(opening, prefill, call.chat, hide)
                 metrics.first_token("prefill" if isinstance(got, head.Head) else "decode")
             err = tracking.prefill_first(prefill, None)
         except legs.LegError as own:
@@ -112,12 +113,12 @@ async def serve(call: Call, dbody: dict[str, Any]) -> Outcome:
 
 
 async def _first_of(
-    opening: asyncio.Task[_Opened], prefill: asyncio.Task[Any], chat: bool
+    opening: asyncio.Task[_Opened], prefill: asyncio.Task[Any], chat: bool, hide_ids: bool
 ) -> _Opened | head.Head:
     """D's first chunk, or P's first token when P's answer comes first and has one."""
     await asyncio.wait((opening, prefill), return_when=asyncio.FIRST_COMPLETED)
     if not opening.done() and succeeded(prefill):
-        got = head.from_answer(prefill.result().body, chat)
+        got = head.from_answer(prefill.result().body, chat, hide_ids)
         if got is not None:
             return got
     return await opening
@@ -134,16 +135,21 @@ async def _after_head(
     """The relay of D's stream once the client has P's first token: D's first piece (a
     P that answered and then left the pool never pushes: an in-stream error at once),
     then D's stream without its copy of the head. When D's first token is not P's, D's
-    continuation would not follow the client's first token: D computes the request
-    again (`head.again_body`), and that stream, whose first token must be P's, goes on."""
+    continuation would not follow the client's first token: D goes on from P's token
+    (`_continued`), or computes the request again (`head.again_body`), and that stream,
+    whose first token must be P's, goes on."""
     chat, timeout = call.chat, call.timeout
     upstream, piece = await tracking.watched(call.prefill, opening, REFUSAL_GRACE_S, call.p)
     piece, differs = await _trimmed(upstream, piece, first, chat, timeout)
     if not differs:
         return await sse.pump(upstream, out, "decode", timeout, piece, client)
     call.metrics.first_token_mismatch()
-    log.warning("D's first token differed from P's, which the client has: D computes it again")
     upstream.close()  # D aborts that request and frees its blocks
+    onward = head.continue_body(dbody, first)
+    if onward is not None:
+        log.warning("D's first token differed from P's, which the client has: D goes on from P's")
+        return await _continued(call, onward, out)
+    log.warning("D's first token differed from P's, which the client has: D computes it again")
     upstream, piece = await open_first(call, head.again_body(dbody, call.tid), True)
     ok = False
     try:
@@ -151,6 +157,18 @@ async def _after_head(
         if differs:
             raise legs.LegError("decode", "upstream", "D's first token differed from P's twice")
         ok = await sse.pump(upstream, out, "decode", timeout, piece, client)
+        return ok
+    finally:
+        upstream.release() if ok else upstream.close()
+
+
+async def _continued(call: Call, body: dict[str, Any], out: web.StreamResponse) -> bool:
+    """D's answer to the request going on from P's token, relayed as the rest of the
+    client's stream (`head.Continued`)."""
+    upstream, piece = await open_first(call, body, True)
+    ok = False
+    try:
+        ok = await sse.pump(upstream, out, "decode", call.timeout, piece, edit=head.Continued())
         return ok
     finally:
         upstream.release() if ok else upstream.close()

@@ -300,14 +300,17 @@ def _wait_idle(c: Cluster, what: str, timeout: float = 10.0) -> None:
         time.sleep(0.2)
 
 
-def test_ds_differing_first_token_is_computed_again(env: dict[str, Any], tmp_path: Path) -> None:
+def test_ds_differing_first_token_goes_on_from_ps(env: dict[str, Any], tmp_path: Path) -> None:
     """D's first token is made to differ from P's on the way to the router (a near tie
     on a GPU would do that): D's continuation would follow the wrong token, so the router
-    has D compute the request again without P's KV, and the answer is still the plain
-    server's. D is stopped until the client has P's token, so the head path is taken."""
+    asks D to go on from P's token (the prompt's ids P returned, P's token after them, one
+    token fewer), and the answer, usage included, is still the plain server's. D is stopped
+    until the client has P's token, so the head path is taken."""
     c: Cluster = env["cluster"]
     body: dict[str, Any] = {"prompt": PROMPT, "stream": True, "temperature": 0, "max_tokens": 8}
+    body["stream_options"] = {"include_usage": True}
     _, want, _ = send(env["plain"], Case("again", COMPLETIONS, body), env["model"])
+    assert want[-2]["usage"]["completion_tokens"] == 8
     with via_link(c, tmp_path, hold=False, rewrite_first=_other_first_char) as (router, link):
         url = router.url + COMPLETIONS
         events, gave_up = _stream_with_d_stopped(c, url, {"model": env["model"], **body})
@@ -316,8 +319,9 @@ def test_ds_differing_first_token_is_computed_again(env: dict[str, Any], tmp_pat
         assert len(link.posts) == 2, "D was not asked again"
         assert metric(router.url, "kvpush_router_first_token_mismatch_total") == 1
         assert metric(router.url, "kvpush_router_first_token_total", {"leg": "prefill"}) == 1
+        assert "D goes on from P's" in (tmp_path / "router.log").read_text()
     assert not differences(merged(strip(events)), merged(strip(want)))
-    _wait_idle(c, "after the request computed again")
+    _wait_idle(c, "after the request went on from P's token")
 
 
 def _other_first_char(data: bytes) -> bytes:

@@ -98,6 +98,11 @@ def test_the_prefill_leg_is_streamed_like_the_clients() -> None:
     assert out["stream"] is True and out["max_tokens"] == 1
     assert out["stream_options"] == {"include_usage": True}
     assert out["kv_transfer_params"] == {"do_remote_decode": True, "transfer_id": "t1"}
+    # A completion's P leg asks for the ids D may go on from; a chat one does not.
+    assert out["return_token_ids"] is True
+    assert "return_token_ids" not in head.prefill_body(CHAT, "t1", chat=True)
+    assert head.ids_hidden(body, chat=False) and not head.ids_hidden(CHAT, chat=True)
+    assert not head.ids_hidden({**body, "return_token_ids": True}, chat=False)
 
 
 def test_ps_completion_token_event_is_sent_as_an_unfinished_one() -> None:
@@ -350,3 +355,105 @@ def test_a_first_token_that_differs_twice_ends_the_stream_with_an_error_event() 
     error = json.loads(events[1][6:])["error"]
     assert error["leg"] == "decode" and "twice" in error["message"]
     assert events[2:] == [DONE]
+
+
+def with_prompt_ids(event: bytes, ids: list[int] | None) -> bytes:
+    obj = json.loads(event[5:])
+    obj["choices"][0]["prompt_token_ids"] = ids
+    return ev(obj)
+
+
+def test_ids_the_client_did_not_ask_for_are_kept_for_d_and_hidden_from_the_client() -> None:
+    """P's leg asks for token ids (`prefill_body`); unasked, the client's event has them
+    as a plain server writes them unasked (null), and the head keeps P's for D."""
+    answer = with_prompt_ids(text_event(" the", "length", [5]), [1, 2, 3]) + DONE
+    h = head.from_answer(answer, chat=False, hide_ids=True)
+    assert h is not None and (h.p_prompt, h.p_token) == ((1, 2, 3), (5,))
+    assert h.ids == () and not h.prompt_ids  # D's stream (unasked) has none to take off
+    plain = json.loads(with_prompt_ids(text_event(" the", None, [5]), [1, 2, 3])[5:])
+    plain["choices"][0].update(token_ids=None, prompt_token_ids=None)
+    assert h.events == ev(plain)
+    asked = head.from_answer(answer, chat=False)
+    assert asked is not None and asked.ids == (5,) and asked.prompt_ids
+    assert (asked.p_prompt, asked.p_token) == ((1, 2, 3), (5,))
+
+
+def test_d_goes_on_from_ps_token_with_one_token_fewer() -> None:
+    answer = with_prompt_ids(text_event(" the", "length", [5]), [1, 2, 3]) + DONE
+    h = head.from_answer(answer, chat=False, hide_ids=True)
+    assert h is not None
+    dbody = {**GREEDY, "min_tokens": 2, "truncate_prompt_tokens": 3, "cache_salt": "s"}
+    dbody["kv_transfer_params"] = {"do_remote_prefill": True}
+    onward = head.continue_body(dbody, h)
+    assert onward is not None
+    assert onward["prompt"] == [1, 2, 3, 5] and onward["max_tokens"] == 7
+    assert onward["min_tokens"] == 1 and onward["cache_salt"] == "s"
+    assert "kv_transfer_params" not in onward and "truncate_prompt_tokens" not in onward
+    assert dbody["prompt"] == "hello" and "kv_transfer_params" in dbody  # left as it was
+    no_max = head.continue_body({k: v for k, v in GREEDY.items() if k != "max_tokens"}, h)
+    assert no_max is not None and "max_tokens" not in no_max  # vLLM's default: one fewer
+    # Without P's ids, or with a token that has no text of its own: computed again.
+    bare = head.from_answer(text_event(" the", "length") + DONE, chat=False)
+    assert bare is not None and head.continue_body(GREEDY, bare) is None
+    empty = head.from_answer(with_prompt_ids(text_event("", "length", [7]), [1]) + DONE, False)
+    assert empty is not None and head.continue_body(GREEDY, empty) is None
+
+
+def test_a_continuations_usage_counts_ps_token_as_written() -> None:
+    """D's prompt has P's token on it: its usage moves one token from prompt to written,
+    in every event that has usage, and D's prompt ids (the client had P's) go."""
+    first = with_prompt_ids(text_event(" cat", None, [9]), [1, 2, 3, 5])
+    usage = ev(
+        {
+            "id": "cmpl-x",
+            "choices": [],
+            "usage": {"prompt_tokens": 4, "completion_tokens": 7, "total_tokens": 11},
+        }
+    )
+    stream = first + text_event(".", "length", [2]) + usage + DONE
+    edit = head.Continued()
+    out = b"".join(edit.feed(stream[i : i + 7]) for i in range(0, len(stream), 7)) + edit.rest()
+    want_first = with_prompt_ids(text_event(" cat", None, [9]), None)
+    want_usage = ev(
+        {
+            "id": "cmpl-x",
+            "choices": [],
+            "usage": {"prompt_tokens": 3, "completion_tokens": 8, "total_tokens": 11},
+        }
+    )
+    assert out == want_first + text_event(".", "length", [2]) + want_usage + DONE
+
+
+def streams_one_token_with_ids(seen: dict[str, Any]) -> Any:
+    """A prefill server that streams P's token with the ids its leg asked for."""
+
+    async def prefill(request: web.Request) -> web.StreamResponse:
+        seen["p"] = await request.json()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        event = with_prompt_ids(text_event(" the", "length", [5]), [1, 2, 3])
+        await resp.write(event + DONE)
+        return resp
+
+    return prefill
+
+
+def test_a_differing_first_token_from_d_makes_d_go_on_from_ps_token() -> None:
+    """With P's ids, D is asked to go on from P's token (the prompt's ids and P's token,
+    one token fewer), and its answer, whose first token is the second, follows the
+    client's first; the client never sees an id it did not ask for."""
+    seen: list[dict[str, Any]] = []
+    p_seen: dict[str, Any] = {}
+    decode, has_first = answers_twice((" a", " dog"), seen)
+    events, metrics = client_events(streams_one_token_with_ids(p_seen), decode, has_first)
+    assert p_seen["p"]["return_token_ids"] is True
+    first = json.loads(events[0][6:])["choices"][0]
+    assert first["text"] == " the" and first["token_ids"] is None
+    assert first["prompt_token_ids"] is None
+    # D's second answer (stub) writes " dog", " dog", "."; all of it follows P's token.
+    assert [json.loads(e[6:])["choices"][0]["text"] for e in events[1:-1]] == [" dog", " dog", "."]
+    assert events[-1] == DONE
+    assert len(seen) == 2 and seen[1]["prompt"] == [1, 2, 3, 5]
+    assert seen[1]["max_tokens"] == GREEDY["max_tokens"] - 1
+    assert "kv_transfer_params" not in seen[1] and "cache_salt" not in seen[1]
+    assert b"kvpush_router_first_token_mismatch_total 1.0" in metrics
