@@ -8,7 +8,8 @@
 #   here, once:          ../shared/tools/gpu-vllm/bundle.sh && scripts/load_bench_device.sh prep
 #   call 1 (carry .vl1): scripts/load_bench_device.sh one    piece 1, GPU and MPS binary check
 #   call 2 (carry .vl2): scripts/load_bench_device.sh two    piece 2, the model (bench shape)
-#   call 3 (carry .lb):  BUDGET=580 scripts/load_bench_device.sh run [load_bench_gpu flags]
+#   call 3 (carry .lb):  scripts/load_bench_device.sh unpack     (then `again` / `mps` in it)
+#                   or:  BUDGET=580 scripts/load_bench_device.sh run [load_bench_gpu flags]
 #                        unpack, then (default) mix A and mix B, every contender, as tag
 #                        `shared`, until the call's budget
 #   later calls (warm):  scripts/load_bench_device.sh again TAG DEADLINE LIMIT [load_bench_gpu flags]
@@ -65,7 +66,7 @@ two)
     # Not `kvpush tiny-model`: kvpush.cli imports the router, whose msgspec is in the bundle.
     python3 -c "from kvpush.tiny_model import make_tiny_model as m; print(m('$MODEL', 0, 'bench'))"
     ;;
-run)
+unpack | run)
     [ -e /root/vl/part.01 ] || { echo NOT-WARM; exit 3; }
     cp .lb/part.* /root/vl/ || exit 1
     t=$(date +%s)
@@ -73,6 +74,7 @@ run)
     mkdir -p /tmp/vr && tar -C /tmp/vr -xJf .lb/vr.tar.xz || exit 1
     echo "unpacked in $(($(date +%s) - t)) s"
     python3 -c "import vllm, nixl, vllm_router_rs; print(vllm.__version__)" || exit 1
+    [ "$1" = run ] || exit 0
     # Whatever time the call has left after unpacking: no run starts later than that allows.
     left=$((${BUDGET:-585} - ($(date +%s) - t)))
     shift
@@ -99,7 +101,7 @@ mps)
     tar -C /tmp/kvpush-mps -czf "$OUT/$tag-daemon.tgz" --exclude=control --exclude=control_privileged .
     ;;
 *)
-    echo "usage: $0 prep|one|two|run|again|mps" >&2
+    echo "usage: $0 prep|one|two|unpack|run|again|mps" >&2
     exit 2
     ;;
 esac

@@ -158,7 +158,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--out", required=True)
     p.add_argument("--model", default="", help="model dir (default: made, bench shape on cuda)")
-    p.add_argument("--contenders", default="plain,kvpush,push,pull")
+    p.add_argument(
+        "--contenders",
+        default="plain,kvpush,push,pull",
+        help="also kvpush@LABEL: kvpush from the tree of --variant LABEL=DIR (a before/after)",
+    )
+    p.add_argument("--variant", action="append", default=[], metavar="LABEL=DIR")
     p.add_argument(
         "--mix", action="append", type=parse_mix, default=[], metavar="N:IN:OUT:REQ:RATES"
     )
@@ -175,6 +180,16 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--mps-dir", default="/tmp/kvpush-mps", help="MPS pipe dir (the daemon's)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    args.trees = {}
+    for v in args.variant:
+        label, _, tree = v.partition("=")
+        if not label or not tree or not Path(tree, "kvpush").is_dir():
+            p.error(f"--variant {v!r}: expected LABEL=DIR, DIR holding a kvpush package")
+        args.trees[label] = str(Path(tree).resolve())
+    for name in args.contenders.split(","):
+        kind, _, label = name.partition("@")
+        if kind not in KINDS or (label and (kind != "kvpush" or label not in args.trees)):
+            p.error(f"--contenders {name!r}: not one of {', '.join(KINDS)} or kvpush@LABEL")
     if not args.mix:
         args.mix = [parse_mix("A:2048:128:160:8,24,48,96")]
     return args
@@ -211,7 +226,11 @@ def start_all(args: argparse.Namespace, model: str, names: list[str]) -> dict[st
     out = Path(args.out)
     pairs: dict[str, Pair] = {}
     for name in names:
-        pair = KINDS[name](model, str(out / "logs" / name), **server_spec(args))
+        kind, _, label = name.partition("@")
+        pair = KINDS[kind](model, str(out / "logs" / name), **server_spec(args))
+        if label:  # its servers and router import kvpush from that tree
+            path = os.pathsep.join([args.trees[label], os.environ.get("PYTHONPATH", "")])
+            pair.spec["env"] = {"PYTHONPATH": path, "PYTHONSAFEPATH": "1"}
         if args.mps:
             p_pct, d_pct = args.mps.split(",")
             mps = {"CUDA_MPS_PIPE_DIRECTORY": args.mps_dir, "CUDA_MPS_LOG_DIRECTORY": args.mps_dir}
@@ -363,7 +382,9 @@ def main(argv: list[str] | None = None) -> int:
     model = args.model or make_tiny_model(str(out / "model"), args.seed, shape=shape)
     names = [n for n in args.contenders.split(",") if n]
     summary: dict[str, Any] = {
-        "labels": {n: LABELS[n] for n in names},
+        "labels": {
+            n: LABELS.get(n) or f"{LABELS['kvpush']}, from {args.trees[n[7:]]}" for n in names
+        },
         "mixes": args.mix,
         "options": {k: v for k, v in vars(args).items() if k != "mix"},
         "server_flags": server_spec(args),

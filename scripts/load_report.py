@@ -31,6 +31,11 @@ ARCHIVE = "vllm-results.tar.gz"
 SHORT = {"plain": "plain", "kvpush": "kvpush", "push": "NixlPush", "pull": "Nixl pull"}
 
 
+def short(name: str) -> str:
+    """A contender's name in tables: kvpush@LABEL (a variant) as it is."""
+    return SHORT.get(name, name)
+
+
 def read_summary(d: Path) -> dict[str, Any]:
     """DIR/summary.json, else the one packed in DIR/vllm-results.tar.gz."""
     if (d / "summary.json").exists():
@@ -75,9 +80,9 @@ def _pair(row: dict[str, Any] | None, metric: str) -> str:
 def table(mix: str, by_rate: dict[float, dict[str, dict[str, Any]]], names: list[str]) -> str:
     head = ["rate (req/s)"]
     for n in names:
-        head += [f"{SHORT[n]} TTFT p50 / p99", f"{SHORT[n]} TPOT p50 / p99"]
-    head += [f"{SHORT[n]} ITL p99" for n in names]
-    head.append("failed (" + " / ".join(SHORT[n] for n in names) + ")")
+        head += [f"{short(n)} TTFT p50 / p99", f"{short(n)} TPOT p50 / p99"]
+    head += [f"{short(n)} ITL p99" for n in names]
+    head.append("failed (" + " / ".join(short(n) for n in names) + ")")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for rate in sorted(by_rate):
         runs = by_rate[rate]
@@ -101,8 +106,8 @@ def table(mix: str, by_rate: dict[float, dict[str, dict[str, Any]]], names: list
 
 def compact(by_rate: dict[float, dict[str, dict[str, Any]]], names: list[str]) -> str:
     """Issue 38's layout: TTFT p50 / p99 of every contender, then TPOT p99 and ITL p99."""
-    head = ["rate"] + [f"{SHORT[n]} TTFT p50 / p99" for n in names]
-    head += [f"{SHORT[n]} TPOT p99" for n in names] + [f"{SHORT[n]} ITL p99" for n in names]
+    head = ["rate"] + [f"{short(n)} TTFT p50 / p99" for n in names]
+    head += [f"{short(n)} TPOT p99" for n in names] + [f"{short(n)} ITL p99" for n in names]
     head.append("failed")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for rate in sorted(by_rate):
@@ -202,7 +207,7 @@ def plot(
             for q, style in (("p50", "-"), ("p99", "--")):
                 xs = [r for r in rates if _get(by_rate[r], n, f"{q}_{metric}_ms") is not None]
                 ys = [_get(by_rate[r], n, f"{q}_{metric}_ms") for r in xs]
-                ax.plot(xs, ys, style, marker="o", color=color, label=f"{SHORT[n]} {q}")
+                ax.plot(xs, ys, style, marker="o", color=color, label=f"{short(n)} {q}")
             for r in rates:
                 failed = failures(by_rate[r].get(n) or {})
                 y = _get(by_rate[r], n, f"p99_{metric}_ms")
@@ -241,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         d = d.parent
     summary = read_summary(d)
     names = [n for n in ORDER if n in summary["labels"]]
+    names += [n for n in summary["labels"] if n not in ORDER]  # variants, kvpush@LABEL
     mixes = {m["name"]: m for m in summary["mixes"]}
     report: dict[str, Any] = {}
     for mix, by_rate in cells(summary).items():

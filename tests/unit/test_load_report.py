@@ -124,3 +124,22 @@ def test_answers_cut_short_are_failures(tmp_path: Path) -> None:
     assert rows[0]["ttft_p50_ok"] and rows[0]["failed"] == {"plain": 0, "kvpush": 2}
     assert rows[0]["no_failures_ok"] is False
     assert "0 + 2 cut short" in report.table("A", {8.0: {"kvpush": cut}}, ["kvpush"])
+
+
+def test_a_kvpush_variant_needs_its_tree(tmp_path: Path) -> None:
+    """``kvpush@LABEL`` runs kvpush from the tree ``--variant LABEL=DIR`` names (a
+    before/after in one call); a label without a tree, or a tree without kvpush, is
+    refused before anything starts."""
+    import pytest
+
+    lb = _load("load_bench_gpu")
+    (tmp_path / "old" / "kvpush").mkdir(parents=True)
+    args = lb.parse(["--out", "x", "--contenders", "plain,kvpush@old,kvpush",
+                     "--variant", f"old={tmp_path / 'old'}"])  # fmt: skip
+    assert args.trees == {"old": str(tmp_path / "old")}
+    for bad in (["--contenders", "kvpush@new"], ["--contenders", "push@old"],
+                ["--contenders", "kvpush@old", "--variant", f"old={tmp_path}"]):  # fmt: skip
+        with pytest.raises(SystemExit):
+            lb.parse(["--out", "x", *bad])
+    report = _load("load_report")
+    assert report.short("kvpush@old") == "kvpush@old" and report.short("push") == "NixlPush"
