@@ -51,6 +51,10 @@ _SHAPING = (
     "echo",
     "stop",
 )
+# Sampling fields that treat written tokens unlike prompt ones (penalties on the output
+# only; bad words matched across written tokens): with P's token moved into D's prompt,
+# D's next token could differ from a plain server's.
+_BY_OUTPUT = ("frequency_penalty", "presence_penalty", "bad_words")
 _END = b"\n\n"
 _DONE = b"data: [DONE]"
 # Chat delta fields a token's text can be in (a reasoning parser splits it).
@@ -112,8 +116,11 @@ def continue_body(dbody: dict[str, Any], first: Head) -> dict[str, Any] | None:
     token: the prompt's token ids as P computed them with P's token after them, one token
     fewer to write, without P's KV (D's prefix cache may still hold the pushed blocks).
     None when P's answer lacks the ids or its token has no text of its own (the first part
-    of a character: D's text would then begin inside it)."""
+    of a character: D's text would then begin inside it), or when the next token depends
+    on which tokens were written rather than prompt (`_BY_OUTPUT`)."""
     if not first.p_prompt or len(first.p_token) != 1 or not first.texts.get("text"):
+        return None
+    if any(dbody.get(name) not in (None, 0, 0.0, []) for name in _BY_OUTPUT):
         return None
     drop = ("kv_transfer_params", "truncate_prompt_tokens")  # the ids are P's, cut already
     out = {k: v for k, v in dbody.items() if k not in drop}

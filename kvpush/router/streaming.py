@@ -148,7 +148,14 @@ async def _after_head(
     onward = head.continue_body(dbody, first)
     if onward is not None:
         log.warning("D's first token differed from P's, which the client has: D goes on from P's")
-        return await _continued(call, onward, out)
+        try:
+            upstream, piece = await open_first(call, onward, True)
+        except legs.LegError as e:
+            if not e.refused:  # say, a prompt one token too long for D's model length
+                raise
+            log.warning("transfer %s: D refused to go on from P's token: %s", call.tid, e)
+        else:
+            return await _continued(upstream, piece, out, timeout)
     log.warning("D's first token differed from P's, which the client has: D computes it again")
     upstream, piece = await open_first(call, head.again_body(dbody, call.tid), True)
     ok = False
@@ -162,13 +169,14 @@ async def _after_head(
         upstream.release() if ok else upstream.close()
 
 
-async def _continued(call: Call, body: dict[str, Any], out: web.StreamResponse) -> bool:
+async def _continued(
+    upstream: wire.Response, piece: bytes, out: web.StreamResponse, timeout: float
+) -> bool:
     """D's answer to the request going on from P's token, relayed as the rest of the
     client's stream (`head.Continued`)."""
-    upstream, piece = await open_first(call, body, True)
     ok = False
     try:
-        ok = await sse.pump(upstream, out, "decode", call.timeout, piece, edit=head.Continued())
+        ok = await sse.pump(upstream, out, "decode", timeout, piece, edit=head.Continued())
         return ok
     finally:
         upstream.release() if ok else upstream.close()

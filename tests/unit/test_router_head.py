@@ -457,3 +457,43 @@ def test_a_differing_first_token_from_d_makes_d_go_on_from_ps_token() -> None:
     assert seen[1]["max_tokens"] == GREEDY["max_tokens"] - 1
     assert "kv_transfer_params" not in seen[1] and "cache_salt" not in seen[1]
     assert b"kvpush_router_first_token_mismatch_total 1.0" in metrics
+
+
+def test_penalties_on_written_tokens_keep_the_whole_prompt_compute() -> None:
+    """Frequency and presence penalties (and bad words) count written tokens only: with
+    P's token in D's prompt, D's next token could differ from a plain server's."""
+    answer = with_prompt_ids(text_event(" the", "length", [5]), [1, 2, 3]) + DONE
+    h = head.from_answer(answer, chat=False, hide_ids=True)
+    assert h is not None
+    assert head.continue_body({**GREEDY, "presence_penalty": 0}, h) is not None
+    for field, value in (
+        ("frequency_penalty", 0.5),
+        ("presence_penalty", -1),
+        ("bad_words", ["x"]),
+    ):
+        assert head.continue_body({**GREEDY, field: value}, h) is None, field
+
+
+def test_a_continuation_d_refuses_falls_back_to_the_whole_prompt() -> None:
+    """Should D refuse the continuation (a 4xx: say, a prompt one token too long for its
+    model length), D computes the request again from the whole prompt instead."""
+    seen: list[dict[str, Any]] = []
+    client_has_first = asyncio.Event()
+
+    async def decode(request: web.Request) -> web.StreamResponse:
+        seen.append(await request.json())
+        if len(seen) == 2:
+            return web.json_response({"error": {"message": "too long", "code": 400}}, status=400)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        if len(seen) == 1:
+            await asyncio.wait_for(client_has_first.wait(), DEADLINE)
+        first = " a" if len(seen) == 1 else " the"
+        for event in (text_event(first), text_event(" dog"), text_event(".", "length"), DONE):
+            await resp.write(event)
+        return resp
+
+    events, _ = client_events(streams_one_token_with_ids({}), decode, client_has_first)
+    assert [json.loads(e[6:])["choices"][0]["text"] for e in events[:-1]] == [" the", " dog", "."]
+    assert len(seen) == 3 and isinstance(seen[1]["prompt"], list)
+    assert seen[2]["prompt"] == GREEDY["prompt"] and seen[2]["cache_salt"].startswith("kvpush-")
