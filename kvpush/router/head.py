@@ -20,8 +20,9 @@ the router drops that stream (D aborts the request) and asks D again. A completi
 from P's token: P's leg asks for the token ids (`return_token_ids`, taken out of the
 client's events unless the client asked too), and D gets the prompt's ids with P's token
 after them, one token fewer to write (`continue_body`); its stream then passes with its
-usage counted as the client's request (`Continued`). A chat request, or a completion
-whose ids P's answer lacks, is computed again from the whole prompt as P computed it
+usage counted as the client's request (`Continued`). A chat request, a completion whose
+ids P's answer lacks or whose penalties count written tokens (`_BY_OUTPUT`), or a
+continuation D refuses, is computed again from the whole prompt as P computed it
 (`again_body`); should that first token differ from P's too, the stream ends with an
 error event rather than with a text no single server would write.
 """
