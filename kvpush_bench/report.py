@@ -13,6 +13,8 @@ import os
 import re
 from typing import Any
 
+from kvpush_bench import png
+
 TARGETS = {
     "ttft_ratio_vs_pull": ("<=", 0.5),
     "ttft_ratio_vs_push": ("<=", 0.8),
@@ -249,7 +251,7 @@ def _save(fig: Any, out_dir: str, name: str) -> str:
     import matplotlib.pyplot as plt
 
     path = os.path.join(out_dir, name)
-    fig.savefig(path, dpi=100)
+    png.save(fig, path, dpi=100)
     plt.close(fig)
     return path
 

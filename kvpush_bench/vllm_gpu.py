@@ -31,6 +31,7 @@ from typing import Any
 
 from kvpush.core import trace
 from kvpush.tiny_model import make_tiny_model
+from kvpush_bench import png
 from kvpush_bench.engine import prompts_for
 from kvpush_bench.pairs import LABELS, Pair, Sample, make_pair, start_pairs
 from kvpush_bench.stages import breakdown, timelines
@@ -323,7 +324,7 @@ def plot(result: dict[str, Any], path: str) -> None:
         ax.set_title(f"{c} request(s) at once")
         ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    png.save(fig, path, dpi=110)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -48,6 +48,7 @@ from kvpush.deploy.servers import (  # noqa: E402
     wait_healthy,
 )
 from kvpush.tiny_model import make_tiny_model  # noqa: E402
+from kvpush_bench import png  # noqa: E402
 from tests.e2e.hosts import Host, HostPair  # noqa: E402
 
 MODES = ("layer", "whole")
@@ -189,7 +190,7 @@ def plot(rows: list[dict[str, Any]], cells: list[dict[str, Any]], path: str, rat
     ax.set_title(f"Layer-wise push, {device}, P-D link {rate} (tc tbf, veth)")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    png.save(fig, path, dpi=110)
 
 
 def main() -> int:

@@ -39,7 +39,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvpush.deploy.servers import free_port  # noqa: E402
-from kvpush_bench import transport  # noqa: E402
+from kvpush_bench import png, transport  # noqa: E402
 from kvpush_bench.stats import summary  # noqa: E402
 from tests.e2e.hosts import Host, HostPair  # noqa: E402
 
@@ -321,7 +321,7 @@ def plot(res: dict[str, Any], path: str) -> None:
     ax.set_ylim(0, max(1.3, top * 1.2))  # room for the legend above the bars
     ax.legend(fontsize=8, loc="upper center", ncol=3)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    png.save(fig, path, dpi=110)
 
 
 def update_doc(path: Path, text: str) -> None:

@@ -43,6 +43,9 @@ from typing import Any
 
 from router_bench_io import install_uvloop, run_level, serve_upstream
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from kvpush_bench import png  # noqa: E402
+
 LOOP = install_uvloop()  # the client's loop (the upstreams install it themselves)
 
 
@@ -280,7 +283,7 @@ def plot(report: dict[str, Any], path: str) -> None:
             ax.legend()
     fig.suptitle("What a router adds to TTFT (client TTFT - upstream TTFT), and its CPU")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    png.save(fig, path, dpi=120)
 
 
 def bench(args: argparse.Namespace) -> int:
