@@ -24,6 +24,7 @@ prefix caching on; a contender's flags can add to them (``plain-nocache`` below)
 from __future__ import annotations
 
 import json
+import os
 import signal
 import threading
 import time
@@ -31,7 +32,9 @@ import urllib.error
 import urllib.request
 import uuid
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from kvpush.deploy.client import request
@@ -329,6 +332,25 @@ def _prefill_leg(
     if not isinstance(params, dict):
         raise ValueError(f"prefiller returned kv_transfer_params={params!r}")
     return params
+
+
+def variant_trees(values: list[str], error: Callable[[str], Any]) -> dict[str, str]:
+    """``--variant LABEL=DIR`` values as label -> absolute source tree; `error` (an
+    argparse parser's) for one that is not of that form."""
+    trees = {}
+    for v in values:
+        label, sep, tree = v.partition("=")
+        if not (sep and label and tree):
+            error(f"--variant {v!r}: expected LABEL=DIR")
+        trees[label] = str(Path(tree).resolve())
+    return trees
+
+
+def variant_env(tree: str) -> dict[str, str]:
+    """The environment that makes a pair's servers and router import kvpush from `tree`
+    (its ``spec["env"]``)."""
+    path = os.pathsep.join([tree, os.environ.get("PYTHONPATH", "")])
+    return {"PYTHONPATH": path, "PYTHONSAFEPATH": "1"}  # else `python -m` puts the cwd first
 
 
 def make_pair(name: str, model: str, log_dir: str, **spec: Any) -> Pair:

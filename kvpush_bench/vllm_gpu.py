@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
 import sys
 import threading
@@ -33,7 +32,15 @@ from kvpush.core import trace
 from kvpush.tiny_model import make_tiny_model
 from kvpush_bench import png
 from kvpush_bench.engine import prompts_for
-from kvpush_bench.pairs import LABELS, Pair, Sample, make_pair, start_pairs
+from kvpush_bench.pairs import (
+    LABELS,
+    Pair,
+    Sample,
+    make_pair,
+    start_pairs,
+    variant_env,
+    variant_trees,
+)
 from kvpush_bench.stages import breakdown, timelines
 from kvpush_bench.stats import ratio, summary
 
@@ -85,12 +92,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         if not (sep and label):
             p.error(f"--decode-args {v!r}: expected LABEL=FLAGS")
         args.d_args[label] = shlex.split(flags)
-    args.trees = {}  # label -> source tree of each --variant
-    for v in args.variant:
-        label, sep, tree = v.partition("=")
-        if not (sep and label and tree):
-            p.error(f"--variant {v!r}: expected LABEL=DIR")
-        args.trees[label] = str(Path(tree).resolve())
+    args.trees = variant_trees(args.variant, p.error)  # label -> source tree
     for cfg in args.configs.split(","):
         label = cfg.partition("@")[2] if cfg.startswith("kvpush@") else ""
         if label and label not in args.trees and label not in args.d_args:
@@ -137,9 +139,7 @@ def start_all(args: argparse.Namespace, model: str, configs: list[str]) -> dict[
             label = cfg.partition("@")[2]
             pair.decode_args = args.d_args.get(label, [])  # type: ignore[attr-defined]
             if label in args.trees:
-                tree = args.trees[label]
-                env["PYTHONPATH"] = os.pathsep.join([tree, os.environ.get("PYTHONPATH", "")])
-                env["PYTHONSAFEPATH"] = "1"  # else `python -m` puts the cwd's kvpush first
+                env.update(variant_env(args.trees[label]))
             pair.spec["env"] = env
         pairs[cfg] = pair
     return start_pairs(pairs)

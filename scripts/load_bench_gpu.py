@@ -49,6 +49,8 @@ from kvpush_bench.pairs import (  # noqa: E402
     PlainPair,
     PullPair,
     start_pairs,  # noqa: E402
+    variant_env,
+    variant_trees,
 )
 
 PROXY = str(Path(__file__).resolve().parent / "pd_proxy.py")
@@ -180,12 +182,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--mps-dir", default="/tmp/kvpush-mps", help="MPS pipe dir (the daemon's)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    args.trees = {}
-    for v in args.variant:
-        label, _, tree = v.partition("=")
-        if not label or not tree or not Path(tree, "kvpush").is_dir():
-            p.error(f"--variant {v!r}: expected LABEL=DIR, DIR holding a kvpush package")
-        args.trees[label] = str(Path(tree).resolve())
+    args.trees = variant_trees(args.variant, p.error)
+    for label, tree in args.trees.items():
+        if not Path(tree, "kvpush").is_dir():
+            p.error(f"--variant {label}={tree}: DIR holds no kvpush package")
     for name in args.contenders.split(","):
         kind, _, label = name.partition("@")
         if kind not in KINDS or (label and (kind != "kvpush" or label not in args.trees)):
@@ -229,8 +229,7 @@ def start_all(args: argparse.Namespace, model: str, names: list[str]) -> dict[st
         kind, _, label = name.partition("@")
         pair = KINDS[kind](model, str(out / "logs" / name), **server_spec(args))
         if label:  # its servers and router import kvpush from that tree
-            path = os.pathsep.join([args.trees[label], os.environ.get("PYTHONPATH", "")])
-            pair.spec["env"] = {"PYTHONPATH": path, "PYTHONSAFEPATH": "1"}
+            pair.spec["env"] = variant_env(args.trees[label])
         if args.mps:
             p_pct, d_pct = args.mps.split(",")
             mps = {"CUDA_MPS_PIPE_DIRECTORY": args.mps_dir, "CUDA_MPS_LOG_DIRECTORY": args.mps_dir}
@@ -383,7 +382,8 @@ def main(argv: list[str] | None = None) -> int:
     names = [n for n in args.contenders.split(",") if n]
     summary: dict[str, Any] = {
         "labels": {
-            n: LABELS.get(n) or f"{LABELS['kvpush']}, from {args.trees[n[7:]]}" for n in names
+            n: LABELS.get(n) or f"{LABELS['kvpush']}, from {args.trees[n.partition('@')[2]]}"
+            for n in names
         },
         "mixes": args.mix,
         "options": {k: v for k, v in vars(args).items() if k != "mix"},

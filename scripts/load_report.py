@@ -65,8 +65,8 @@ def failures(row: dict[str, Any]) -> int:
 
 
 def _failed(row: dict[str, Any]) -> str:
-    short = int(row.get("cut_short") or 0)
-    return f"{row.get('failed')}" + (f" + {short} cut short" if short else "")
+    cut = int(row.get("cut_short") or 0)
+    return f"{row.get('failed')}" + (f" + {cut} cut short" if cut else "")
 
 
 def _f(v: Any, nd: int = 1) -> str:

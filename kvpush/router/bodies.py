@@ -19,7 +19,7 @@ sub-request's push by its prompt and sample index (``kvpush.vllm.scheduler_side`
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeGuard
 
 # Fields P does not get: they would make it compute logprobs or compile a grammar for a
 # token nobody reads, or conflict with max_tokens=1 and stream=False (min_tokens,
@@ -135,7 +135,7 @@ def decoder_alone(body: dict[str, Any], chat: bool, max_model_len: int | None = 
     return None
 
 
-def is_int(value: Any) -> bool:
+def is_int(value: Any) -> TypeGuard[int]:
     """An int that is not a bool (JSON's true is not a count)."""
     return isinstance(value, int) and not isinstance(value, bool)
 

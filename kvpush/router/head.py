@@ -128,7 +128,7 @@ def continue_body(dbody: dict[str, Any], first: Head) -> dict[str, Any] | None:
     out["prompt"] = [*first.p_prompt, *first.p_token]
     for name in ("max_tokens", "min_tokens"):
         count = out.get(name)
-        if isinstance(count, int) and not isinstance(count, bool) and count > 0:
+        if bodies.is_int(count) and count > 0:
             out[name] = count - 1
     return out
 
@@ -217,55 +217,13 @@ def _ints(value: Any) -> tuple[int, ...]:
     return tuple(value)
 
 
-class Continued:
-    """D's stream of a continuation (`continue_body`) as the rest of the client's: its
-    usage counts P's token as written, not as prompt, and its first event loses the
-    prompt ids (D's have P's token on them; the client had P's)."""
+class _ByEvent:
+    """A stream edited event by event: fed pieces in order, `feed` returns what to pass
+    on, each whole event through `_one`, until `done`; from then on pieces pass as they
+    are."""
 
     def __init__(self) -> None:
-        self._buf = b""
-
-    def feed(self, piece: bytes) -> bytes:
-        self._buf += piece
-        out = []
-        while (end := self._buf.find(_END)) >= 0:
-            event, self._buf = self._buf[: end + len(_END)], self._buf[end + len(_END) :]
-            out.append(self._one(event))
-        return b"".join(out)
-
-    def rest(self) -> bytes:
-        """What is left unparsed when the stream ends (not a whole event)."""
-        rest, self._buf = self._buf, b""
-        return rest
-
-    def _one(self, event: bytes) -> bytes:
-        obj = _payload(event)
-        if not isinstance(obj, dict):
-            return event  # [DONE], or anything not an event of vLLM's
-        changed = False
-        usage = obj.get("usage")
-        if isinstance(usage, dict):
-            prompt, written = usage.get("prompt_tokens"), usage.get("completion_tokens")
-            if isinstance(prompt, int) and isinstance(written, int) and prompt > 0:
-                usage["prompt_tokens"], usage["completion_tokens"] = prompt - 1, written + 1
-                changed = True
-        choice = _choice(obj)
-        if choice is not None and choice.get("prompt_token_ids") is not None:
-            choice["prompt_token_ids"] = None  # as a plain server's later events have it
-            changed = True
-        return _event(obj) if changed else event
-
-
-class Trim:
-    """D's stream minus what the client got from P: fed D's pieces in order, it returns
-    what to pass on. It drops D's role event (chat) and takes the head's text and token
-    ids off the front of D's first token event; once past it, pieces pass as they are."""
-
-    def __init__(self, head: Head, chat: bool) -> None:
-        self.head, self.chat = head, chat
-        self.role_left = chat
         self.done = False
-        self.mismatch = False  # D's first token was not P's
         self._buf = b""
 
     def feed(self, piece: bytes) -> bytes:
@@ -277,9 +235,51 @@ class Trim:
             event, self._buf = self._buf[: end + len(_END)], self._buf[end + len(_END) :]
             out.append(self._one(event))
         if self.done:
-            out.append(self._buf)
-            self._buf = b""
+            out.append(self.rest())
         return b"".join(out)
+
+    def rest(self) -> bytes:
+        """What is held and not yet a whole event (at the stream's end)."""
+        rest, self._buf = self._buf, b""
+        return rest
+
+    def _one(self, event: bytes) -> bytes:
+        raise NotImplementedError
+
+
+class Continued(_ByEvent):
+    """D's stream of a continuation (`continue_body`) as the rest of the client's: its
+    usage counts P's token as written, not as prompt, and its first event loses the
+    prompt ids (D's have P's token on them; the client had P's)."""
+
+    def _one(self, event: bytes) -> bytes:
+        obj = _payload(event)
+        if not isinstance(obj, dict):
+            return event  # [DONE], or anything not an event of vLLM's
+        changed = False
+        usage = obj.get("usage")
+        if isinstance(usage, dict):
+            prompt, written = usage.get("prompt_tokens"), usage.get("completion_tokens")
+            if bodies.is_int(prompt) and bodies.is_int(written) and prompt > 0:
+                usage["prompt_tokens"], usage["completion_tokens"] = prompt - 1, written + 1
+                changed = True
+        choice = _choice(obj)
+        if choice is not None and choice.get("prompt_token_ids") is not None:
+            choice["prompt_token_ids"] = None  # as a plain server's later events have it
+            changed = True
+        return _event(obj) if changed else event
+
+
+class Trim(_ByEvent):
+    """D's stream minus what the client got from P: fed D's pieces in order, it returns
+    what to pass on. It drops D's role event (chat) and takes the head's text and token
+    ids off the front of D's first token event; once past it, pieces pass as they are."""
+
+    def __init__(self, head: Head, chat: bool) -> None:
+        super().__init__()
+        self.head, self.chat = head, chat
+        self.role_left = chat
+        self.mismatch = False  # D's first token was not P's
 
     def _one(self, event: bytes) -> bytes:
         obj = _payload(event)
