@@ -140,6 +140,12 @@ def is_int(value: Any) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def all_ints(values: list[Any]) -> bool:
+    """Every item an int, not a bool: for token ids, thousands to a prompt, so one exact
+    type check each rather than a call to `is_int`."""
+    return set(map(type, values)) <= {int}
+
+
 def _doubtful(body: dict[str, Any], chat: bool, max_model_len: int | None) -> bool:
     """A shape check of the fields P does not get (or gets changed: the output length),
     looser than vLLM's: whatever it lets through, vLLM's own rules for these fields

@@ -93,7 +93,7 @@ def _one_prompt(prompt: Any) -> bool:
         return True
     if not isinstance(prompt, list):
         return False
-    return len(prompt) == 1 or (bool(prompt) and all(bodies.is_int(t) for t in prompt))
+    return len(prompt) == 1 or (bool(prompt) and bodies.all_ints(prompt))
 
 
 def prefill_body(body: dict[str, Any], transfer_id: str, chat: bool) -> dict[str, Any]:
@@ -212,7 +212,7 @@ def from_answer(data: bytes, chat: bool, hide_ids: bool = False) -> Head | None:
 
 
 def _ints(value: Any) -> tuple[int, ...]:
-    if not isinstance(value, list) or not all(bodies.is_int(v) for v in value):
+    if not isinstance(value, list) or not bodies.all_ints(value):
         return ()
     return tuple(value)
 

@@ -398,8 +398,10 @@ def test_d_goes_on_from_ps_token_with_one_token_fewer() -> None:
     empty = head.from_answer(with_prompt_ids(text_event("", "length", [7]), [1]) + DONE, False)
     assert empty is not None and head.continue_body(GREEDY, empty) is None
     # Ids of the wrong type in P's answer (not a list of ints, or a bool): none taken.
-    for bad_prompt, bad_token in (([1, "2"], [5]), ({"a": 1}, [5]), ([1], [True]), ([1], [5, 6])):
-        odd = with_prompt_ids(text_event(" the", "length", bad_token), bad_prompt)  # type: ignore[arg-type]
+    wrong: list[tuple[Any, Any]] = [([1, "2"], [5]), ({"a": 1}, [5]), ([1], [True]), ([1], [5, 6])]
+    wrong += [([1, 2.0], [5]), ([1, False], [5]), ([1, None], [5]), ([[1]], [5]), ([1], [5.0])]
+    for bad_prompt, bad_token in wrong:
+        odd = with_prompt_ids(text_event(" the", "length", bad_token), bad_prompt)
         got = head.from_answer(odd + DONE, chat=False, hide_ids=True)
         assert got is not None and head.continue_body(GREEDY, got) is None, (bad_prompt, bad_token)
 
