@@ -33,7 +33,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from kvpush.router import bodies, legs, sse
+from kvpush.router import bodies, jsonbody, legs, sse
 
 # Fields whose presence changes the first events beyond the token: tool and structured
 # output parsers, logprobs, echo, stop strings (held-back text), more than one choice.
@@ -323,8 +323,8 @@ def _payload(event: bytes) -> Any:
     if not text.startswith(b"data:") or text.startswith(_DONE):
         return None
     try:
-        return json.loads(text[5:])
-    except ValueError:
+        return jsonbody.loads(text[5:])  # P's first event holds the prompt's ids: long
+    except (ValueError, RecursionError):
         return None
 
 

@@ -1,5 +1,5 @@
-"""Request bodies into and out of the router: msgspec's JSON for the usual body, Python's
-``json`` for what msgspec refuses.
+"""Request bodies into and out of the router, and the upstream events it reads (`loads`):
+msgspec's JSON for the usual body, Python's ``json`` for what msgspec refuses.
 
 A plain vLLM server reads a body with Python's ``json``, so the router must accept and
 refuse what it does, and forward what it read unchanged. msgspec reads a subset of what
@@ -29,13 +29,22 @@ _BY_JSON: contextvars.ContextVar[bool] = contextvars.ContextVar("kvpush_body_by_
 
 def parse(raw: bytes) -> Any:
     """What ``json.loads(raw)`` returns; raises what it raises."""
-    try:
-        body = _decoder.decode(raw)
-    except (msgspec.DecodeError, RecursionError):  # (nesting: json's own limit decides)
-        _BY_JSON.set(True)
-        return json.loads(raw)
-    _BY_JSON.set(False)
+    body, by_json = _read(raw)
+    _BY_JSON.set(by_json)
     return body
+
+
+def loads(raw: bytes) -> Any:
+    """What ``json.loads(raw)`` returns, for JSON that is not a request body (an
+    upstream's event): this request's legs are written as before."""
+    return _read(raw)[0]
+
+
+def _read(raw: bytes) -> tuple[Any, bool]:
+    try:
+        return _decoder.decode(raw), False
+    except (msgspec.DecodeError, RecursionError):  # (nesting: json's own limit decides)
+        return json.loads(raw), True
 
 
 def dump(obj: Any) -> bytes:

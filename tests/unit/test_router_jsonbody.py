@@ -102,6 +102,22 @@ def test_each_request_chooses_again() -> None:
     assert usual == b'{"a":1}'  # msgspec's compact form: the fast path was taken
 
 
+@pytest.mark.parametrize("raw", RAW)
+def test_loads_reads_what_json_reads_and_leaves_the_legs_be(raw: bytes) -> None:
+    """An upstream's event read between a NaN body and its legs: the legs still keep NaN."""
+
+    def run() -> tuple[tuple[str, Any], bytes]:
+        body = jsonbody.parse(b'{"a": NaN}')
+        got = _outcome(jsonbody.loads, raw)
+        return got, jsonbody.dump(body)
+
+    got, legs = contextvars.copy_context().run(run)
+    want = _outcome(json.loads, raw)
+    assert got[0] == want[0], (got, want)
+    assert _same(got[1], want[1]) if got[0] == "ok" else got[1] is want[1]
+    assert legs == b'{"a": NaN}'
+
+
 _json = st.recursive(
     st.none()
     | st.booleans()
