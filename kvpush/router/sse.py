@@ -36,8 +36,8 @@ def error_code(chunk: bytes) -> int | None:
     try:
         payload = json.loads(text[6:].split(b"\n", 1)[0])
         code = payload["error"].get("code")
-    except (ValueError, KeyError, AttributeError, TypeError):
-        return 500
+    except (ValueError, KeyError, AttributeError, TypeError, RecursionError):
+        return 500  # an error event, but not one of vLLM's: a server-side failure
     return code if isinstance(code, int) else 500
 
 

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from kvpush.router import head, legs
+from kvpush.router import head, legs, sse
 from tests.unit.test_router import DEADLINE, running, stub
 
 GREEDY = {"model": "m", "prompt": "hello", "max_tokens": 8, "stream": True, "temperature": 0}
@@ -128,6 +128,14 @@ def test_ps_chat_events_lose_only_what_marks_the_end() -> None:
         text_event("\ufffd", "length") + DONE,
         b'data: {"error": {"code": 500}}\n\n' + DONE,
         b"not a stream at all",
+        b"data: 5\n\n" + DONE,
+        # nested deeper than json's recursion limit: refused, not raised
+        b"data: " + b"[" * 100_000 + b"]" * 100_000 + b"\n\n" + DONE,
+        b'data: {"choices": [{"text": "x", "finish_reason": "length", "token_ids": '
+        + b"[" * 100_000
+        + b"]" * 100_000
+        + b"}]}\n\n"
+        + DONE,
     ],
 )
 def test_an_answer_that_is_not_one_plain_token_gives_no_head(answer: bytes) -> None:
@@ -218,6 +226,14 @@ def test_an_error_event_from_d_passes_and_ends_trimming() -> None:
     assert h is not None
     error = b'data: {"error": {"code": 500, "message": "no KV"}}\n\n'
     assert head.Trim(h, chat=False).feed(error + DONE) == error + DONE
+
+
+def test_an_error_event_nested_too_deep_is_a_server_side_failure() -> None:
+    deep = b'data: {"error": ' + b"[" * 100_000 + b"]" * 100_000 + b"}\n\n"
+    assert sse.error_code(deep) == 500
+    with pytest.raises(legs.LegError) as caught:
+        head.check_answer(legs.LegResult(200, text_event(" a", "length") + deep + DONE, ""))
+    assert caught.value.leg == "prefill" and caught.value.http_status == 502
 
 
 def test_an_error_event_in_ps_stream_fails_the_prefill_leg() -> None:
