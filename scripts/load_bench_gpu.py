@@ -42,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvpush.deploy.servers import Proc, free_port, sigterm_as_interrupt  # noqa: E402
 from kvpush.tiny_model import make_tiny_model  # noqa: E402
+from kvpush_bench import server_metrics  # noqa: E402
 from kvpush_bench.pairs import (  # noqa: E402
     InTreePushPair,
     KvpushPair,
@@ -324,6 +325,23 @@ def bench(argv: list[str], limit: float) -> dict[str, Any]:
         signal.signal(signal.SIGALRM, old)
 
 
+def scrape_servers(pair: Pair) -> dict[str, dict[str, float]]:
+    """server_metrics.scrape() of each of the pair's vLLM servers, by role: ``server`` (the
+    plain one) or ``prefill`` and ``decode``; a server that does not answer gives {}."""
+    if isinstance(pair, PlainPair):
+        by_role = {"server": pair.server}
+    else:
+        by_role = {"prefill": pair.p, "decode": pair.d}  # type: ignore[attr-defined]
+    out: dict[str, dict[str, float]] = {}
+    for role, server in by_role.items():
+        try:
+            out[role] = server_metrics.scrape(server.url)
+        except OSError as e:
+            _log(f"{role} {server.url}/metrics: {e!r}")
+            out[role] = {}
+    return out
+
+
 def sweep(
     args: argparse.Namespace, model: str, pairs: dict[str, Pair], t0: float, summary: dict[str, Any]
 ) -> None:
@@ -348,12 +366,17 @@ def sweep(
                     fname = f"{name}-{tag}.json"
                     argv = bench_argv(args, model, url, mix, n, send_rate, json_dir, fname)
                     started = time.monotonic()
+                    before = scrape_servers(pair)
                     try:
                         res = bench(argv, args.run_limit)
                         row = {k: res.get(k) for k in ("completed", "failed", "duration")}
                         row["cut_short"] = checked(res, argv, json_dir / fname)
                         row.update({k: v for k, v in res.items() if k.endswith("_ms")})
                         row["json"] = f"json/{mix['name']}/{fname}"
+                        after = scrape_servers(pair)
+                        row["servers"] = {
+                            role: server_metrics.means(before[role], after[role]) for role in before
+                        }
                     except (Exception, TimeoutError) as e:  # noqa: BLE001 - a run's failure is data
                         row = {"error": repr(e)[:500]}
                     row.update(

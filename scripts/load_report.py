@@ -191,6 +191,35 @@ def targets_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def timings(by_rate: dict[float, dict[str, dict[str, Any]]], names: list[str]) -> str:
+    """Where each contender's mean TTFT goes, from its servers' own /metrics (the run's
+    ``servers``, scripts/load_bench_gpu.py): the first server's (plain's, or P's) TTFT and
+    the queue and prefill within it, what the front and HTTP add on top (the client's mean
+    minus the server's), and D's queue (which holds its wait for the KV). The servers' means
+    also hold the one test request ``vllm bench serve`` sends before a run, alone. Runs
+    measured before the load script read /metrics have no such rows."""
+    head = ("rate", "contender", "client TTFT mean", "server TTFT mean (plain or P)",
+            "queued", "prefill", "client - server", "D queued (with KV wait)",
+            "requests seen (server / D)")  # fmt: skip
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for rate in sorted(by_rate):
+        for n in names:
+            row = by_rate[rate].get(n) or {}
+            roles = row.get("servers")
+            if not roles:
+                continue
+            first = roles.get("server") or roles.get("prefill") or {}
+            d = roles.get("decode") or {}
+            client, server = row.get("mean_ttft_ms"), first.get("ttft_ms")
+            front = None if client is None or server is None else client - server
+            seen = f"{first.get('n')}" + (f" / {d.get('n')}" if d else "")
+            cells_ = [f"{rate:g}", short(n), _f(client), _f(server), _f(first.get("queue_ms")),
+                      _f(first.get("prefill_ms")), _f(front), _f(d.get("queue_ms")) if d else "-",
+                      seen]  # fmt: skip
+            lines.append("| " + " | ".join(cells_) + " |")
+    return "\n".join(lines) if len(lines) > 2 else ""
+
+
 def plot(
     mix: str, by_rate: dict[float, dict[str, dict[str, Any]]], names: list[str], path: Path
 ) -> None:
@@ -250,6 +279,10 @@ def main(argv: list[str] | None = None) -> int:
         print(compact(by_rate, names) if args.compact else table(mix, by_rate, names))
         rows = targets(by_rate)
         report[mix] = rows
+        split = timings(by_rate, names)
+        if split:
+            print(f"\nWhere the mean TTFT goes (mix {mix}; vLLM's /metrics, ms):\n")
+            print(split)
         print(f"\nTargets (mix {mix}):\n")
         print(targets_table(rows))
         if args.plot:

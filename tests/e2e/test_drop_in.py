@@ -32,6 +32,7 @@ from kvpush.deploy.servers import (
     wait_healthy,
 )
 from kvpush.tiny_model import make_tiny_model
+from kvpush_bench import server_metrics
 from tests.conftest import plain_reference, wait_no_kv_in_use, wait_until
 
 pytestmark = pytest.mark.e2e
@@ -370,6 +371,24 @@ def test_every_dashboard_metric_is_served_with_its_labels(pd: PD) -> None:
         if not any(want <= have for have in got):
             missing.append((name, sorted(want), got[:2]))
     assert not missing, missing
+
+
+def test_p_and_d_serve_the_timings_the_load_report_reads(pd: PD) -> None:
+    """scripts/load_bench_gpu.py splits a contender's TTFT with these (kvpush_bench.
+    server_metrics): they must be served under the names it reads, one request each."""
+    if pd.kind != "kvpush":
+        pytest.skip("the load benchmark drives kvpush's pair through its router")
+    before = {s.url: server_metrics.scrape(s.url) for s in (pd.p, pd.d)}
+    assert request(pd.router.url, pd.model, ids(90, 97), max_tokens=4).ok
+
+    def both_seen() -> bool:
+        return all(server_metrics.means(b, server_metrics.scrape(u))["n"] == 1
+                   for u, b in before.items())  # fmt: skip
+
+    wait_until(both_seen, 10, what="one request in P's and D's TTFT histograms")
+    for url, b in before.items():
+        got = server_metrics.means(b, server_metrics.scrape(url))
+        assert all(got[f"{k}_ms"] >= 0 for k in server_metrics.FAMILIES), (url, got)
 
 
 def test_nothing_held_afterwards(pd: PD) -> None:

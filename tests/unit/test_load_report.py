@@ -143,3 +143,23 @@ def test_a_kvpush_variant_needs_its_tree(tmp_path: Path) -> None:
             lb.parse(["--out", "x", *bad])
     report = _load("load_report")
     assert report.short("kvpush@old") == "kvpush@old" and report.short("push") == "NixlPush"
+
+
+def test_where_the_ttft_goes() -> None:
+    report = _load("load_report")
+    plain = {**_run(30, 60, 4.0), "mean_ttft_ms": 32.0}
+    plain["servers"] = {"server": {"n": 48, "ttft_ms": 30.5, "queue_ms": 1.0, "prefill_ms": 28.0}}
+    kvpush = {**_run(40, 80, 4.0), "mean_ttft_ms": 45.0}
+    kvpush["servers"] = {
+        "prefill": {"n": 48, "ttft_ms": 41.0, "queue_ms": 2.0, "prefill_ms": 37.5},
+        "decode": {"n": 47, "ttft_ms": 50.0, "queue_ms": 9.3, "prefill_ms": 3.0},
+    }
+    old = _run(50, 90, 5.0)  # a run from before the load script read /metrics
+    table = report.timings(
+        {2.0: {"plain": plain, "kvpush": kvpush, "push": old}}, list(report.ORDER)
+    )
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in table.splitlines()]
+    assert len(rows) == 4  # head, rule, plain, kvpush; NixlPush's run has no timings
+    assert rows[2] == ["2", "plain", "32.0", "30.5", "1.0", "28.0", "1.5", "-", "48"]
+    assert rows[3] == ["2", "kvpush", "45.0", "41.0", "2.0", "37.5", "4.0", "9.3", "48 / 47"]
+    assert report.timings({2.0: {"push": old}}, ["push"]) == ""
