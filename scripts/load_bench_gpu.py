@@ -24,6 +24,8 @@ table, plots and targets.
     python scripts/load_bench_gpu.py --out /tmp/lb --deadline 420 \
         --mix A:2048:128:160:8,24,48,96 --mix B:8192:256:32:2,4,8
     MPS: --mps 50,50 (P and D under a private MPS daemon, that share of SMs each)
+    --trace: kvpush's servers and router write their stage marks (kvpush.core.trace) under
+    OUT/trace/<contender>/; scripts/load_report.py splits each run's first token with them.
 """
 
 from __future__ import annotations
@@ -182,6 +184,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--mps", default="", metavar="P%,D%", help="P and D under MPS, SM shares")
     p.add_argument("--mps-dir", default="/tmp/kvpush-mps", help="MPS pipe dir (the daemon's)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--trace", action="store_true", help="kvpush's stage marks (OUT/trace/<contender>/)"
+    )
     args = p.parse_args(argv)
     args.trees = variant_trees(args.variant, p.error)
     for label, tree in args.trees.items():
@@ -231,6 +236,9 @@ def start_all(args: argparse.Namespace, model: str, names: list[str]) -> dict[st
         pair = KINDS[kind](model, str(out / "logs" / name), **server_spec(args))
         if label:  # its servers and router import kvpush from that tree
             pair.spec["env"] = variant_env(args.trees[label])
+        if args.trace and kind == "kvpush":  # its servers and router mark each stage
+            trace_dir = str(out / "trace" / name)
+            pair.spec["env"] = {**pair.spec.get("env", {}), "KVPUSH_TRACE_DIR": trace_dir}
         if args.mps:
             p_pct, d_pct = args.mps.split(",")
             mps = {"CUDA_MPS_PIPE_DIRECTORY": args.mps_dir, "CUDA_MPS_LOG_DIRECTORY": args.mps_dir}
@@ -365,7 +373,7 @@ def sweep(
                         continue
                     fname = f"{name}-{tag}.json"
                     argv = bench_argv(args, model, url, mix, n, send_rate, json_dir, fname)
-                    started = time.monotonic()
+                    started, wall = time.monotonic(), time.time()
                     before = scrape_servers(pair)
                     try:
                         res = bench(argv, args.run_limit)
@@ -386,6 +394,7 @@ def sweep(
                         rate=rate,
                         requests=n,
                         wall_s=round(time.monotonic() - started, 1),
+                        wall=[wall, time.time()],  # (lines the run up with trace marks)
                     )
                     summary["runs"].append(row)
                     shown = ("completed", "failed", "cut_short", "p50_ttft_ms", "p99_tpot_ms")

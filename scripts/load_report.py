@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import tarfile
 from pathlib import Path
@@ -220,6 +221,40 @@ def timings(by_rate: dict[float, dict[str, dict[str, Any]]], names: list[str]) -
     return "\n".join(lines) if len(lines) > 2 else ""
 
 
+# A traced run's first token, hop by hop: (label, from mark, to mark), kvpush.core.trace.
+HOPS = (
+    ("router -> P's scheduler", "router.recv", "p_sched.alloc"),
+    ("P's queue and forward", "p_sched.alloc", "sched.finished"),
+    ("P's output -> router", "sched.finished", "router.p_answer"),
+    ("router: P's answer -> client", "router.p_answer", "router.prepared"),
+    ("router: in -> client", "router.recv", "router.prepared"),
+)
+
+
+def trace_split(d: Path, summary: dict[str, Any]) -> str:
+    """Each traced kvpush run's first token hop by hop (HOPS), median / mean ms over the
+    transfers whose ``router.recv`` falls in the run's wall-clock window (its ``wall``),
+    from the marks under DIR/trace/<contender>/ (scripts/load_bench_gpu.py --trace)."""
+    from kvpush.core import trace
+    from kvpush_bench.stages import by_transfer
+
+    head = ["mix", "rate", "contender", "transfers", *(h[0] for h in HOPS)]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for row in summary["runs"]:
+        folder = d / "trace" / row["contender"]
+        if row["tag"] == "warmup" or "wall" not in row or not folder.is_dir():
+            continue
+        t0, t1 = row["wall"]
+        marks = [m for m in by_transfer(trace.read(str(folder))).values()
+                 if t0 <= m.get("router.recv", -1.0) <= t1]  # fmt: skip
+        cells_ = [row["mix"], f"{row['rate']:g}", short(row["contender"]), str(len(marks))]
+        for _, a, b in HOPS:
+            ms = [(m[b] - m[a]) * 1e3 for m in marks if a in m and b in m]
+            cells_.append(f"{statistics.median(ms):.2f} / {statistics.mean(ms):.2f}" if ms else "-")
+        lines.append("| " + " | ".join(cells_) + " |")
+    return "\n".join(lines) if len(lines) > 2 else ""
+
+
 def plot(
     mix: str, by_rate: dict[float, dict[str, dict[str, Any]]], names: list[str], path: Path
 ) -> None:
@@ -287,6 +322,10 @@ def main(argv: list[str] | None = None) -> int:
         print(targets_table(rows))
         if args.plot:
             plot(mix, by_rate, names, d / f"load-{mix}.png")
+    split = trace_split(d, summary)
+    if split:
+        print("\nkvpush's first token hop by hop (its stage marks; median / mean ms):\n")
+        print(split)
     if summary.get("not_run"):
         print(f"\nNot run (deadline): {', '.join(summary['not_run'])}")
     (d / "targets.json").write_text(json.dumps(report, indent=1))

@@ -163,3 +163,26 @@ def test_where_the_ttft_goes() -> None:
     assert rows[2] == ["2", "plain", "32.0", "30.5", "1.0", "28.0", "1.5", "-", "48"]
     assert rows[3] == ["2", "kvpush", "45.0", "41.0", "2.0", "37.5", "4.0", "9.3", "48 / 47"]
     assert report.timings({2.0: {"push": old}}, ["push"]) == ""
+
+
+def test_a_traced_run_hop_by_hop(tmp_path: Path) -> None:
+    report = _load("load_report")
+    marks = []
+    for i, t in enumerate((100.0, 100.5, 300.0)):  # the third is after the run's window
+        tid = f"t{i}"
+        for ev, ms in (("router.recv", 0), ("p_sched.alloc", 4), ("sched.finished", 40),
+                       ("router.p_answer", 43 + i), ("router.prepared", 44 + i)):  # fmt: skip
+            marks.append({"t": t + ms / 1e3, "ev": ev, "id": tid, "rid": None})
+    marks.append({"t": 100.1, "ev": "sched.finished", "id": "t0", "rid": None})  # D's, later
+    folder = tmp_path / "trace" / "kvpush"
+    folder.mkdir(parents=True)
+    (folder / "11.jsonl").write_text("\n".join(json.dumps(m) for m in marks) + "\n")
+    row = {"mix": "B", "rate": 2.0, "contender": "kvpush", "tag": "r2", "wall": [99.0, 200.0]}
+    summary = {"runs": [row, {**row, "tag": "warmup"}, {**row, "contender": "plain"}]}
+    rows = report.trace_split(tmp_path, summary).splitlines()
+    assert len(rows) == 3  # head, rule, the one traced measured run
+    cells = [c.strip() for c in rows[2].strip("|").split("|")]
+    assert cells[:4] == ["B", "2", "kvpush", "2"]
+    assert cells[4:] == ["4.00 / 4.00", "36.00 / 36.00", "3.50 / 3.50", "1.00 / 1.00",
+                         "44.50 / 44.50"]  # fmt: skip
+    assert report.trace_split(tmp_path / "none", summary) == ""
