@@ -117,9 +117,12 @@ def continue_body(dbody: dict[str, Any], first: Head) -> dict[str, Any] | None:
     token: the prompt's token ids as P computed them with P's token after them, one token
     fewer to write, without P's KV (D's prefix cache may still hold the pushed blocks).
     None when P's answer lacks the ids or its token has no text of its own (the first part
-    of a character: D's text would then begin inside it), or when the next token depends
+    of a character: D's text would then begin inside it) or text with U+FFFD (bytes that
+    are no character: how the text after them reads depends on where the detokenizer
+    started, which a prompt ending in P's token changes), or when the next token depends
     on which tokens were written rather than prompt (`_BY_OUTPUT`)."""
-    if not first.p_prompt or len(first.p_token) != 1 or not first.texts.get("text"):
+    text = first.texts.get("text")
+    if not first.p_prompt or len(first.p_token) != 1 or not text or "\ufffd" in text:
         return None
     if any(dbody.get(name) not in (None, 0, 0.0, []) for name in _BY_OUTPUT):
         return None
@@ -172,11 +175,13 @@ class Head:
 
 def from_answer(data: bytes, chat: bool, hide_ids: bool = False) -> Head | None:
     """The head of P's streamed answer; None when it is not one token that a plain
-    server would send as is (it ended for another reason than its length, or its text
-    shows an incomplete character as U+FFFD). An empty text (the token is the first part
-    of a character) is sent as a plain server sends it: empty; D's copy then adds nothing
-    to take off. With `hide_ids`, the token ids in P's event are kept in `p_prompt` and
-    `p_token` and set to none in the client's, as a plain server writes them unasked."""
+    server would send as is (it ended for another reason than its length). vLLM's
+    detokenizers write a token's text alike whether the request ends with it or not
+    (without stop strings, which `eligible` excludes): an empty text (the token is the
+    first part of a character, held back) and a text with U+FFFD (bytes that are no
+    character, say from a prompt's) are sent as they are; D's copy is the same. With
+    `hide_ids`, the token ids in P's event are kept in `p_prompt` and `p_token` and set to
+    none in the client's, as a plain server writes them unasked."""
     events = [e for e in _events(data) if not e.startswith(_DONE)]
     out = []
     if chat:
@@ -194,8 +199,8 @@ def from_answer(data: bytes, chat: bool, hide_ids: bool = False) -> Head | None:
     texts = {k: fields[k] for k in keys if isinstance(fields.get(k), str)}
     if chat and set(fields) - _TEXT_FIELDS:
         return None  # a role or tool call beside the text: not one plain token event
-    if not texts or any("\ufffd" in t for t in texts.values()):
-        return None  # a plain server holds back what a finished stream shows as U+FFFD
+    if not texts:
+        return None
     choice["finish_reason"] = None
     if chat:
         choice.pop("stop_reason", None)  # a chat chunk has it only when finished

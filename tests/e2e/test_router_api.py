@@ -188,6 +188,22 @@ def test_the_first_token_comes_from_p_while_d_is_frozen(env: dict[str, Any], pat
     assert metric(c.router.url, "kvpush_router_first_token_mismatch_total") == 0
 
 
+def test_a_first_token_with_u_fffd_in_its_text_comes_from_p(env: dict[str, Any]) -> None:
+    """A prompt that ends inside a character (token 225: the byte 0x80 alone): vLLM's
+    first event holds the prompt's text from that byte on, U+FFFD and all, in P's finished
+    stream as in an unfinished one. The client gets P's event while D is stopped, and the
+    answer is the plain server's."""
+    c: Cluster = env["cluster"]
+    body: dict[str, Any] = {"stream": True, "temperature": 0, "max_tokens": 8}
+    body["prompt"] = [*ids(40, 3), 225]
+    _, want, _ = send(env["plain"], Case("u_fffd", COMPLETIONS, body), env["model"])
+    assert "\ufffd" in want[0]["choices"][0]["text"], want[0]  # the case this test is for
+    full = {"model": env["model"], **body}
+    events, gave_up = _stream_with_d_stopped(c, c.router.url + COMPLETIONS, full)
+    assert not gave_up, "no first token from P while D was stopped"
+    assert not differences(merged(strip(events)), merged(strip(want)))
+
+
 def _stream_with_d_stopped(c: Cluster, url: str, body: dict[str, Any]) -> tuple[list[Any], bool]:
     """Stream ``body`` from ``url`` with D stopped until the client has its first event;
     the events (``[DONE]`` as a string), and whether D had to be resumed after 20 s without

@@ -125,7 +125,6 @@ def test_ps_chat_events_lose_only_what_marks_the_end() -> None:
     "answer",
     [
         text_event(" the", "stop") + DONE,  # an end of sequence: D decides alone
-        text_event("\ufffd", "length") + DONE,
         b'data: {"error": {"code": 500}}\n\n' + DONE,
         b"not a stream at all",
         b"data: 5\n\n" + DONE,
@@ -140,6 +139,18 @@ def test_ps_chat_events_lose_only_what_marks_the_end() -> None:
 )
 def test_an_answer_that_is_not_one_plain_token_gives_no_head(answer: bytes) -> None:
     assert head.from_answer(answer, chat=False) is None
+
+
+def test_a_text_with_u_fffd_is_sent_as_p_wrote_it_and_not_gone_on_from() -> None:
+    # vLLM writes such a text alike in a finished and an unfinished stream: the client
+    # gets P's, D's copy goes; D's continuation would begin its text elsewhere: it
+    # computes the request again instead.
+    event = text_event("ab\ufffd c", "length", [7])
+    h = head.from_answer(with_prompt_ids(event, [1, 2]) + DONE, chat=False)
+    assert h is not None and h.texts == {"text": "ab\ufffd c"}
+    assert h.events == with_prompt_ids(text_event("ab\ufffd c", None, [7]), [1, 2])
+    assert head.Trim(h, chat=False).feed(text_event("ab\ufffd c", None, [7]) + DONE) == DONE
+    assert head.continue_body(GREEDY, h) is None
 
 
 def test_a_token_without_text_yet_is_sent_empty_and_ds_text_passes_whole() -> None:
