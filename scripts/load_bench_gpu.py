@@ -42,7 +42,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvpush.deploy.servers import Proc, free_port, sigterm_as_interrupt  # noqa: E402
+from kvpush.deploy.servers import Proc, free_port, metric, sigterm_as_interrupt  # noqa: E402
 from kvpush.tiny_model import make_tiny_model  # noqa: E402
 from kvpush_bench import server_metrics  # noqa: E402
 from kvpush_bench.pairs import (  # noqa: E402
@@ -350,6 +350,26 @@ def scrape_servers(pair: Pair) -> dict[str, dict[str, float]]:
     return out
 
 
+# The router's counts of whose first token the client got, and of D's that differed.
+FIRST = {
+    "first_token_p": ("kvpush_router_first_token_total", {"leg": "prefill"}),
+    "first_token_d": ("kvpush_router_first_token_total", {"leg": "decode"}),
+    "first_token_differed": ("kvpush_router_first_token_mismatch_total", None),
+}
+
+
+def router_counts(pair: Pair) -> dict[str, float]:
+    """FIRST read from a kvpush pair's router; {} for other pairs or a router that does
+    not answer."""
+    if not isinstance(pair, KvpushPair):
+        return {}
+    try:
+        return {k: metric(pair.router.url, name, labels) for k, (name, labels) in FIRST.items()}
+    except OSError as e:
+        _log(f"router {pair.router.url}/metrics: {e!r}")
+        return {}
+
+
 def sweep(
     args: argparse.Namespace, model: str, pairs: dict[str, Pair], t0: float, summary: dict[str, Any]
 ) -> None:
@@ -374,7 +394,7 @@ def sweep(
                     fname = f"{name}-{tag}.json"
                     argv = bench_argv(args, model, url, mix, n, send_rate, json_dir, fname)
                     started, wall = time.monotonic(), time.time()
-                    before = scrape_servers(pair)
+                    before, counts = scrape_servers(pair), router_counts(pair)
                     try:
                         res = bench(argv, args.run_limit)
                         row = {k: res.get(k) for k in ("completed", "failed", "duration")}
@@ -385,6 +405,8 @@ def sweep(
                         row["servers"] = {
                             role: server_metrics.means(before[role], after[role]) for role in before
                         }
+                        now = router_counts(pair)
+                        row.update({k: now[k] - counts[k] for k in now.keys() & counts.keys()})
                     except (Exception, TimeoutError) as e:  # noqa: BLE001 - a run's failure is data
                         row = {"error": repr(e)[:500]}
                     row.update(

@@ -234,23 +234,29 @@ HOPS = (
 def trace_split(d: Path, summary: dict[str, Any]) -> str:
     """Each traced kvpush run's first token hop by hop (HOPS), median / mean ms over the
     transfers whose ``router.recv`` falls in the run's wall-clock window (its ``wall``),
-    from the marks under DIR/trace/<contender>/ (scripts/load_bench_gpu.py --trace)."""
+    from the marks under DIR/trace/<contender>/ (scripts/load_bench_gpu.py --trace); and
+    whose first token the client got, by the router's counts (runs since they were read)."""
     from kvpush.core import trace
     from kvpush_bench.stages import by_transfer
 
     head = ["mix", "rate", "contender", "transfers", *(h[0] for h in HOPS)]
+    head.append("first token from P / D (D's differed)")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    read: dict[str, list[dict[str, float]]] = {}
     for row in summary["runs"]:
         folder = d / "trace" / row["contender"]
         if row["tag"] == "warmup" or "wall" not in row or not folder.is_dir():
             continue
+        if row["contender"] not in read:
+            read[row["contender"]] = list(by_transfer(trace.read(str(folder))).values())
         t0, t1 = row["wall"]
-        marks = [m for m in by_transfer(trace.read(str(folder))).values()
-                 if t0 <= m.get("router.recv", -1.0) <= t1]  # fmt: skip
+        marks = [m for m in read[row["contender"]] if t0 <= m.get("router.recv", -1.0) <= t1]
         cells_ = [row["mix"], f"{row['rate']:g}", short(row["contender"]), str(len(marks))]
         for _, a, b in HOPS:
             ms = [(m[b] - m[a]) * 1e3 for m in marks if a in m and b in m]
             cells_.append(f"{statistics.median(ms):.2f} / {statistics.mean(ms):.2f}" if ms else "-")
+        counts = [row.get(k) for k in ("first_token_p", "first_token_d", "first_token_differed")]
+        cells_.append("-" if None in counts else "{:g} / {:g} ({:g})".format(*counts))
         lines.append("| " + " | ".join(cells_) + " |")
     return "\n".join(lines) if len(lines) > 2 else ""
 

@@ -178,11 +178,12 @@ def test_a_traced_run_hop_by_hop(tmp_path: Path) -> None:
     folder.mkdir(parents=True)
     (folder / "11.jsonl").write_text("\n".join(json.dumps(m) for m in marks) + "\n")
     row = {"mix": "B", "rate": 2.0, "contender": "kvpush", "tag": "r2", "wall": [99.0, 200.0]}
+    row.update(first_token_p=47.0, first_token_d=2.0, first_token_differed=1.0)
     summary = {"runs": [row, {**row, "tag": "warmup"}, {**row, "contender": "plain"}]}
     rows = report.trace_split(tmp_path, summary).splitlines()
     assert len(rows) == 3  # head, rule, the one traced measured run
     cells = [c.strip() for c in rows[2].strip("|").split("|")]
     assert cells[:4] == ["B", "2", "kvpush", "2"]
     assert cells[4:] == ["4.00 / 4.00", "36.00 / 36.00", "3.50 / 3.50", "1.00 / 1.00",
-                         "44.50 / 44.50"]  # fmt: skip
+                         "44.50 / 44.50", "47 / 2 (1)"]  # fmt: skip
     assert report.trace_split(tmp_path / "none", summary) == ""
