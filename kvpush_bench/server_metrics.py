@@ -10,8 +10,9 @@ of two scrapes gives the mean over the requests that ended between them.
 
 from __future__ import annotations
 
-import urllib.request
 from typing import Any
+
+from kvpush.deploy.servers import metric_in, metrics_text
 
 FAMILIES = {
     "ttft": "vllm:time_to_first_token_seconds",
@@ -24,25 +25,18 @@ FAMILIES = {
 def parse(text: str) -> dict[str, float]:
     """``{family}_sum`` and ``{family}_count`` of each of FAMILIES, summed over label sets
     (one per engine and model name); a family absent from ``text`` is absent here."""
-    wanted = {f"{name}_{part}" for name in FAMILIES.values() for part in ("sum", "count")}
     out: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        head, _, value = line.rpartition(" ")
-        name = head.partition("{")[0].strip()
-        if name in wanted:
-            try:
-                out[name] = out.get(name, 0.0) + float(value)
-            except ValueError:
-                continue  # not a sample line of the text format; nothing to add
+    for family in FAMILIES.values():
+        for name in (f"{family}_sum", f"{family}_count"):
+            value = metric_in(text, name)
+            if value is not None:
+                out[name] = value
     return out
 
 
 def scrape(url: str, timeout: float = 5.0) -> dict[str, float]:
     """parse() of ``url``/metrics."""
-    with urllib.request.urlopen(url.rstrip("/") + "/metrics", timeout=timeout) as r:
-        return parse(r.read().decode("utf-8", "replace"))
+    return parse(metrics_text(url.rstrip("/"), timeout))
 
 
 def means(before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:

@@ -42,7 +42,13 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvpush.deploy.servers import Proc, free_port, metric, sigterm_as_interrupt  # noqa: E402
+from kvpush.deploy.servers import (  # noqa: E402
+    Proc,
+    free_port,
+    metric_in,
+    metrics_text,
+    sigterm_as_interrupt,
+)
 from kvpush.tiny_model import make_tiny_model  # noqa: E402
 from kvpush_bench import server_metrics  # noqa: E402
 from kvpush_bench.pairs import (  # noqa: E402
@@ -364,7 +370,8 @@ def router_counts(pair: Pair) -> dict[str, float]:
     if not isinstance(pair, KvpushPair):
         return {}
     try:
-        return {k: metric(pair.router.url, name, labels) for k, (name, labels) in FIRST.items()}
+        text = metrics_text(pair.router.url)
+        return {k: metric_in(text, name, labels) or 0.0 for k, (name, labels) in FIRST.items()}
     except OSError as e:
         _log(f"router {pair.router.url}/metrics: {e!r}")
         return {}

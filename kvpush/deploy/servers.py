@@ -288,11 +288,16 @@ def wait_healthy(procs: list[Any], timeout: float = HEALTH_TIMEOUT_S) -> None:
             time.sleep(0.5)
 
 
-def metric(url: str, name: str, labels: dict[str, str] | None = None) -> float:
-    """Sum of a Prometheus metric's samples (optionally filtered by labels) at ``url``/metrics."""
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
-        text = r.read().decode()
-    total = 0.0
+def metrics_text(url: str, timeout: float = 10.0) -> str:
+    """``url``/metrics, the Prometheus text format."""
+    with urllib.request.urlopen(url + "/metrics", timeout=timeout) as r:
+        return str(r.read().decode())
+
+
+def metric_in(text: str, name: str, labels: dict[str, str] | None = None) -> float | None:
+    """Sum of a Prometheus metric's samples in ``text`` (optionally filtered by labels);
+    None when it has none."""
+    total = None
     for line in text.splitlines():
         if not line.startswith(name) or line.startswith("#"):
             continue
@@ -302,8 +307,13 @@ def metric(url: str, name: str, labels: dict[str, str] | None = None) -> float:
             continue
         if labels and not all(f'{k}="{v}"' in head for k, v in labels.items()):
             continue
-        total += float(value)
+        total = (total or 0.0) + float(value)
     return total
+
+
+def metric(url: str, name: str, labels: dict[str, str] | None = None) -> float:
+    """Sum of a Prometheus metric's samples (optionally filtered by labels) at ``url``/metrics."""
+    return metric_in(metrics_text(url), name, labels) or 0.0
 
 
 @contextlib.contextmanager
