@@ -80,13 +80,19 @@ def _pair(row: dict[str, Any] | None, metric: str) -> str:
     return f"{_f(row.get(f'p50_{metric}_ms'))} / {_f(row.get(f'p99_{metric}_ms'))}"
 
 
+def _md(head: Any, rows: list[list[str]]) -> str:
+    """A markdown table: ``head``, its rule, then ``rows``."""
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
+
+
 def table(mix: str, by_rate: dict[float, dict[str, dict[str, Any]]], names: list[str]) -> str:
     head = ["rate (req/s)"]
     for n in names:
         head += [f"{short(n)} TTFT p50 / p99", f"{short(n)} TPOT p50 / p99"]
     head += [f"{short(n)} ITL p99" for n in names]
     head.append("failed (" + " / ".join(short(n) for n in names) + ")")
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    rows = []
     for rate in sorted(by_rate):
         runs = by_rate[rate]
         row = [f"{rate:g}"]
@@ -103,8 +109,8 @@ def table(mix: str, by_rate: dict[float, dict[str, dict[str, Any]]], names: list
             else:
                 fails.append(_failed(r))
         row.append(" / ".join(fails))
-        lines.append("| " + " | ".join(row) + " |")
-    return "\n".join(lines)
+        rows.append(row)
+    return _md(head, rows)
 
 
 def compact(by_rate: dict[float, dict[str, dict[str, Any]]], names: list[str]) -> str:
@@ -112,15 +118,15 @@ def compact(by_rate: dict[float, dict[str, dict[str, Any]]], names: list[str]) -
     head = ["rate"] + [f"{short(n)} TTFT p50 / p99" for n in names]
     head += [f"{short(n)} TPOT p99" for n in names] + [f"{short(n)} ITL p99" for n in names]
     head.append("failed")
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    rows = []
     for rate in sorted(by_rate):
         runs = by_rate[rate]
         row = [f"{rate:g}"] + [_pair(runs.get(n), "ttft") for n in names]
         row += [_f(_get(runs, n, "p99_tpot_ms")) for n in names]
         row += [_f(_get(runs, n, "p99_itl_ms")) for n in names]
         row.append(str(sum(failures(runs.get(n) or {}) for n in names)))
-        lines.append("| " + " | ".join(row) + " |")
-    return "\n".join(lines)
+        rows.append(row)
+    return _md(head, rows)
 
 
 def _get(runs: dict[str, dict[str, Any]], name: str, key: str) -> float | None:
@@ -176,20 +182,21 @@ def targets_table(rows: list[dict[str, Any]]) -> str:
     head = ("rate", "plain TTFT p99 < 200 ms", "kvpush TTFT p50 - plain (<= 5 ms)",
             "TTFT p99 kvpush/plain (<= 1.2)", "TPOT p99 kvpush/plain (<= 0.75)",
             "overhead kvpush/NixlPush p50 (<= 0.2)", "same at p99", "0 failed")  # fmt: skip
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    cells = []
     for r in rows:
-        cells_ = [
-            f"{r['rate']:g}",
-            f"{_f(r['plain_ttft_p99'])} ms: {'yes' if r['in_scope'] else 'no (out of scope)'}",
-            f"{_f(r['ttft_p50_over_plain_ms'])}: {_mark(r['ttft_p50_ok'])}",
-            f"{_f(r['ttft_p99_ratio'], 2)}: {_mark(r['ttft_p99_ok'])}",
-            f"{_f(r['tpot_p99_ratio'], 2)}: {_mark(r['tpot_p99_ok'])}",
-            f"{_f(r['overhead_ratio_p50'], 2)}: {_mark(r['overhead_p50_ok'])}",
-            f"{_f(r['overhead_ratio_p99'], 2)}: {_mark(r['overhead_p99_ok'])}",
-            _mark(r["no_failures_ok"]),
-        ]
-        lines.append("| " + " | ".join(cells_) + " |")
-    return "\n".join(lines)
+        cells.append(
+            [
+                f"{r['rate']:g}",
+                f"{_f(r['plain_ttft_p99'])} ms: {'yes' if r['in_scope'] else 'no (out of scope)'}",
+                f"{_f(r['ttft_p50_over_plain_ms'])}: {_mark(r['ttft_p50_ok'])}",
+                f"{_f(r['ttft_p99_ratio'], 2)}: {_mark(r['ttft_p99_ok'])}",
+                f"{_f(r['tpot_p99_ratio'], 2)}: {_mark(r['tpot_p99_ok'])}",
+                f"{_f(r['overhead_ratio_p50'], 2)}: {_mark(r['overhead_p50_ok'])}",
+                f"{_f(r['overhead_ratio_p99'], 2)}: {_mark(r['overhead_p99_ok'])}",
+                _mark(r["no_failures_ok"]),
+            ]
+        )
+    return _md(head, cells)
 
 
 def timings(by_rate: dict[float, dict[str, dict[str, Any]]], names: list[str]) -> str:
@@ -202,7 +209,7 @@ def timings(by_rate: dict[float, dict[str, dict[str, Any]]], names: list[str]) -
     head = ("rate", "contender", "client TTFT mean", "server TTFT mean (plain or P)",
             "queued", "prefill", "client - server", "D queued (with KV wait)",
             "requests seen (server / D)")  # fmt: skip
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    rows = []
     for rate in sorted(by_rate):
         for n in names:
             row = by_rate[rate].get(n) or {}
@@ -214,11 +221,10 @@ def timings(by_rate: dict[float, dict[str, dict[str, Any]]], names: list[str]) -
             client, server = row.get("mean_ttft_ms"), first.get("ttft_ms")
             front = None if client is None or server is None else client - server
             seen = f"{first.get('n')}" + (f" / {d.get('n')}" if d else "")
-            cells_ = [f"{rate:g}", short(n), _f(client), _f(server), _f(first.get("queue_ms")),
-                      _f(first.get("prefill_ms")), _f(front), _f(d.get("queue_ms")) if d else "-",
-                      seen]  # fmt: skip
-            lines.append("| " + " | ".join(cells_) + " |")
-    return "\n".join(lines) if len(lines) > 2 else ""
+            rows.append([f"{rate:g}", short(n), _f(client), _f(server), _f(first.get("queue_ms")),
+                         _f(first.get("prefill_ms")), _f(front),
+                         _f(d.get("queue_ms")) if d else "-", seen])  # fmt: skip
+    return _md(head, rows) if rows else ""
 
 
 # A traced run's first token, hop by hop: (label, from mark, to mark), kvpush.core.trace.
@@ -241,7 +247,7 @@ def trace_split(d: Path, summary: dict[str, Any]) -> str:
 
     head = ["mix", "rate", "contender", "transfers", *(h[0] for h in HOPS)]
     head.append("first token from P / D (D's differed)")
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    rows = []
     read: dict[str, list[dict[str, float]]] = {}
     for row in summary["runs"]:
         folder = d / "trace" / row["contender"]
@@ -257,8 +263,8 @@ def trace_split(d: Path, summary: dict[str, Any]) -> str:
             cells_.append(f"{statistics.median(ms):.2f} / {statistics.mean(ms):.2f}" if ms else "-")
         counts = [row.get(k) for k in ("first_token_p", "first_token_d", "first_token_differed")]
         cells_.append("-" if None in counts else "{:g} / {:g} ({:g})".format(*counts))
-        lines.append("| " + " | ".join(cells_) + " |")
-    return "\n".join(lines) if len(lines) > 2 else ""
+        rows.append(cells_)
+    return _md(head, rows) if rows else ""
 
 
 def plot(
