@@ -356,10 +356,14 @@ def scrape_servers(pair: Pair) -> dict[str, dict[str, float]]:
     return out
 
 
-# The router's counts of whose first token the client got, and of D's that differed.
+# The router's counts of whose first token the client got, of D's got because P's answer
+# was no plain token or P's leg failed (kvpush.router.streaming.FIRST_WHY; the rest of D's
+# came first), and of D's that differed.
 FIRST = {
     "first_token_p": ("kvpush_router_first_token_total", {"leg": "prefill"}),
     "first_token_d": ("kvpush_router_first_token_total", {"leg": "decode"}),
+    "first_token_p_unusable": ("kvpush_router_first_token_total", {"why": "p_unusable"}),
+    "first_token_p_failed": ("kvpush_router_first_token_total", {"why": "p_failed"}),
     "first_token_differed": ("kvpush_router_first_token_mismatch_total", None),
 }
 

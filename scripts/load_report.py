@@ -262,7 +262,11 @@ def trace_split(d: Path, summary: dict[str, Any]) -> str:
             ms = [(m[b] - m[a]) * 1e3 for m in marks if a in m and b in m]
             cells_.append(f"{statistics.median(ms):.2f} / {statistics.mean(ms):.2f}" if ms else "-")
         counts = [row.get(k) for k in ("first_token_p", "first_token_d", "first_token_differed")]
-        cells_.append("-" if None in counts else "{:g} / {:g} ({:g})".format(*counts))
+        cell = "-" if None in counts else "{:g} / {:g} ({:g})".format(*counts)
+        why = [row.get(k) for k in ("first_token_p_unusable", "first_token_p_failed")]
+        if None not in counts and None not in why:  # runs since the router said why
+            cell += "; D's for P's answer unusable / failed: {:g} / {:g}".format(*why)
+        cells_.append(cell)
         rows.append(cells_)
     return _md(head, rows) if rows else ""
 

@@ -92,8 +92,10 @@ class RouterMetrics:
         self._first_token = Counter(
             _PREFIX + "first_token_total",
             "Streamed requests that could take P's first token (kvpush.router.head), by "
-            "which leg's first token the client got: prefill (P answered first) or decode.",
-            ["leg"],
+            "which leg's first token the client got (prefill or decode) and why: p_first "
+            "(P answered first), d_first (D's first chunk came first), p_failed (P's leg "
+            "failed), p_unusable (P's answer was not one token a plain server would send).",
+            ["leg", "why"],
             registry=r,
         )
         self._refused = Counter(
@@ -152,8 +154,8 @@ class RouterMetrics:
     def refused(self, reason: str) -> None:
         self._child(self._refused, reason).inc()
 
-    def first_token(self, leg: str) -> None:
-        self._child(self._first_token, leg).inc()
+    def first_token(self, leg: str, why: str) -> None:
+        self._child(self._first_token, leg, why).inc()
 
     def first_token_mismatch(self) -> None:
         self._first_mismatch.inc()

@@ -24,6 +24,10 @@ from kvpush.router.tracking import REFUSAL_GRACE_S, retrieve, settle, succeeded,
 log = logging.getLogger("kvpush.router.app")
 
 _Opened = tuple[wire.Response, bytes]  # D's stream and its first piece
+# Why the client got the first token it got: P's answer came first and was one token as a
+# plain server writes it; D's first chunk came first; P's leg failed; P's answer was not
+# such a token (`head.from_answer`: it ended for another reason, or had no text).
+FIRST_WHY = ("p_first", "d_first", "p_failed", "p_unusable")
 
 
 async def serve(call: Call, dbody: dict[str, Any]) -> Outcome:
@@ -41,8 +45,8 @@ async def serve(call: Call, dbody: dict[str, Any]) -> Outcome:
             else:
                 opening = asyncio.create_task(open_first(call, dbody, call.retry_ok))
                 hide = head.ids_hidden(call.body, call.chat)
-                got = await _first_of(opening, prefill, call.chat, hide)
-                metrics.first_token("prefill" if isinstance(got, head.Head) else "decode")
+                got, why = await _first_of(opening, prefill, call.chat, hide)
+                metrics.first_token("prefill" if isinstance(got, head.Head) else "decode", why)
             err = tracking.prefill_first(prefill, None)
         except legs.LegError as own:
             err = tracking.prefill_first(prefill, own)
@@ -114,14 +118,20 @@ async def serve(call: Call, dbody: dict[str, Any]) -> Outcome:
 
 async def _first_of(
     opening: asyncio.Task[_Opened], prefill: asyncio.Task[Any], chat: bool, hide_ids: bool
-) -> _Opened | head.Head:
-    """D's first chunk, or P's first token when P's answer comes first and has one."""
+) -> tuple[_Opened | head.Head, str]:
+    """D's first chunk, or P's first token when P's answer comes first and has one; and
+    why (`FIRST_WHY`)."""
     await asyncio.wait((opening, prefill), return_when=asyncio.FIRST_COMPLETED)
-    if not opening.done() and succeeded(prefill):
+    if opening.done():
+        why = "d_first"
+    elif not succeeded(prefill):
+        why = "p_failed"
+    else:
         got = head.from_answer(prefill.result().body, chat, hide_ids)
         if got is not None:
-            return got
-    return await opening
+            return got, "p_first"
+        why = "p_unusable"
+    return await opening, why
 
 
 async def _after_head(

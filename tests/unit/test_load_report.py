@@ -187,3 +187,6 @@ def test_a_traced_run_hop_by_hop(tmp_path: Path) -> None:
     assert cells[4:] == ["4.00 / 4.00", "36.00 / 36.00", "3.50 / 3.50", "1.00 / 1.00",
                          "44.50 / 44.50", "47 / 2 (1)"]  # fmt: skip
     assert report.trace_split(tmp_path / "none", summary) == ""
+    row.update(first_token_p_unusable=1.0, first_token_p_failed=0.0)  # since the router says why
+    cells = [c.strip() for c in report.trace_split(tmp_path, summary).splitlines()[2].split("|")]
+    assert cells[-2] == "47 / 2 (1); D's for P's answer unusable / failed: 1 / 0"

@@ -314,7 +314,50 @@ def test_the_client_gets_ps_token_before_d_sends_anything() -> None:
     want = [text_event(" the"), text_event(" cat"), text_event(".", "length"), DONE]
     assert events == want
     assert seen["p"]["stream"] is True and seen["p"]["max_tokens"] == 1
-    assert b'kvpush_router_first_token_total{leg="prefill"} 1.0' in metrics
+    assert b'kvpush_router_first_token_total{leg="prefill",why="p_first"} 1.0' in metrics
+
+
+@pytest.mark.parametrize(
+    ("p_answer", "d_first", "why"),
+    [
+        (text_event(" the", "length") + DONE, False, "p_first"),
+        (text_event(" the", "length") + DONE, True, "d_first"),  # both in: D's wins
+        (text_event(" the", "stop") + DONE, False, "p_unusable"),  # not ended by its length
+        (b"data: [1]\n\n" + DONE, False, "p_unusable"),  # not an event of vLLM's
+        (None, False, "p_failed"),
+    ],
+)
+def test_the_first_token_says_whose_it_is_and_why(
+    p_answer: bytes | None, d_first: bool, why: str
+) -> None:
+    """`streaming._first_of` with P's leg settled: its answer (None: the leg failed) and,
+    with `d_first`, D's first chunk in already; else D's comes after the choice."""
+    from kvpush.router import streaming
+
+    async def main() -> tuple[Any, str]:
+        loop = asyncio.get_running_loop()
+        opened: asyncio.Future[Any] = loop.create_future()
+        answered: asyncio.Future[Any] = loop.create_future()
+        if p_answer is None:
+            answered.set_exception(legs.LegError("prefill", "upstream", "HTTP 500", 500))
+        else:
+            answered.set_result(legs.LegResult(200, p_answer, "text/event-stream"))
+        if d_first:
+            opened.set_result(("d", b"d's first"))
+        first = asyncio.create_task(streaming._first_of(opened, answered, False, False))  # type: ignore[arg-type]
+        # No timer and no I/O: the loop runs the ready callbacks in order, so by these
+        # passes _first_of has looked at both legs and, unless P's answer did, waits on D's.
+        for _ in range(10):
+            await asyncio.sleep(0)
+        assert first.done() == (why in ("p_first", "d_first"))
+        if not opened.done():
+            opened.set_result(("d", b"d's first"))
+        return await first
+
+    got, said = asyncio.run(main())
+    assert said == why
+    assert isinstance(got, head.Head) == (why == "p_first")
+    assert said in streaming.FIRST_WHY
 
 
 def test_a_decoder_that_fails_after_ps_token_ends_the_stream_with_an_error_event() -> None:
