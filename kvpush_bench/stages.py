@@ -30,7 +30,8 @@ STAGES = (
     "d_sched.recvd",  # D's scheduler took it in
     "d_sched.forward",  # D's scheduler scheduled the request's first forward
     "d_sched.output",  # that step's output (the first token) reached D's scheduler
-    "router.p_answer",  # P's answer reached the router (its engine's output path done)
+    "router.p_piece",  # the first piece of P's answer reached the router
+    "router.p_answer",  # P's whole answer reached the router (its engine's output path done)
     "router.first_chunk",  # D's first event reached the router
     "router.prepared",  # the router sent the client its headers (the event follows)
     "PushTransfer.done",  # P saw its push end

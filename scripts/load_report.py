@@ -232,6 +232,9 @@ HOPS = (
     ("router -> P's scheduler", "router.recv", "p_sched.alloc"),
     ("P's queue and forward", "p_sched.alloc", "sched.finished"),
     ("P's output -> router", "sched.finished", "router.p_answer"),
+    # Since the router marks P's first piece: the hop above, split at it.
+    ("P's output -> its first piece at router", "sched.finished", "router.p_piece"),
+    ("router: P's first piece -> whole answer", "router.p_piece", "router.p_answer"),
     ("router: P's answer -> client", "router.p_answer", "router.prepared"),
     ("router: in -> client", "router.recv", "router.prepared"),
 )

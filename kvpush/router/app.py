@@ -36,6 +36,7 @@ encoding, size, read deadline, nesting), and its own ``kv_transfer_params`` are 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable
@@ -203,7 +204,11 @@ async def _attempt(call: Call) -> Outcome:
     call.early = call.stream and head.eligible(call.body, call.chat)  # P's token may go first
     pbody = (head.prefill_body if call.early else bodies.prefill_body)(call.body, tid, call.chat)
     url = p.url + call.path
-    p_leg = legs.call_unary(call.upstreams, "prefill", url, pbody, call.headers, call.timeout)
+    # Traced: P's first piece at the router, apart from its whole answer (`router.p_answer`).
+    first = functools.partial(trace.mark, "router.p_piece", tid) if trace.ON else None
+    p_leg = legs.call_unary(
+        call.upstreams, "prefill", url, pbody, call.headers, call.timeout, first
+    )
     # Created before anything is awaited: both legs run concurrently.
     work = _checked(p_leg) if call.early else p_leg
     prefill = call.prefill_task = asyncio.create_task(leg(call.metrics, p, work))

@@ -8,7 +8,7 @@ a raw aiohttp exception).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
@@ -119,13 +119,18 @@ async def call_unary(
     body: dict[str, Any],
     headers: dict[str, str],
     timeout: float,
+    first: Callable[[], object] | None = None,
 ) -> LegResult:
-    """POST `body` and read the whole answer within `timeout` seconds."""
+    """POST `body` and read the whole answer within `timeout` seconds; `first` is called
+    when the answer's first piece is in (a trace mark)."""
 
     async def call() -> LegResult:
         resp = await upstreams.post(url, jsonbody.dump(body), headers, _JSON)
         try:
-            data = await resp.read()
+            data = await resp.readany()
+            if first is not None and data:
+                first()
+            data += await resp.read()
         finally:
             resp.release()
         if not 200 <= resp.status < 300:

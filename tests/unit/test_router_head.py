@@ -360,6 +360,33 @@ def test_the_first_token_says_whose_it_is_and_why(
     assert said in streaming.FIRST_WHY
 
 
+def test_traced_the_router_marks_ps_first_piece_and_whole_answer(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvpush.core import trace
+
+    monkeypatch.setattr(trace, "ON", True)
+    monkeypatch.setattr(trace, "DIR", str(tmp_path))
+    monkeypatch.setattr(trace, "_out", None)
+    client_has_first = asyncio.Event()
+
+    async def decode(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await asyncio.wait_for(client_has_first.wait(), DEADLINE)
+        await resp.write(text_event(" the") + text_event(".", "length") + DONE)
+        return resp
+
+    try:
+        client_events(streams_one_token({}), decode, client_has_first)
+    finally:
+        if trace._out is not None:
+            trace._out.close()
+    marks = {str(e["ev"]): float(e["t"]) for e in trace.read(str(tmp_path))}  # type: ignore[arg-type]
+    assert marks["router.recv"] <= marks["router.p_piece"] <= marks["router.p_answer"]
+    assert marks["router.p_answer"] <= marks["router.prepared"]
+
+
 def test_a_decoder_that_fails_after_ps_token_ends_the_stream_with_an_error_event() -> None:
     prefill = streams_one_token({})
     p_answered = asyncio.Event()
