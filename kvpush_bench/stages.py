@@ -31,6 +31,7 @@ STAGES = (
     "d_sched.forward",  # D's scheduler scheduled the request's first forward
     "d_sched.output",  # that step's output (the first token) reached D's scheduler
     "router.p_piece",  # the first piece of P's answer reached the router
+    "router.p_head",  # the router had P's first events whole (its head for the client)
     "router.p_answer",  # P's whole answer reached the router (its engine's output path done)
     "router.first_chunk",  # D's first event reached the router
     "router.prepared",  # the router sent the client its headers (the event follows)

@@ -232,9 +232,11 @@ HOPS = (
     ("router -> P's scheduler", "router.recv", "p_sched.alloc"),
     ("P's queue and forward", "p_sched.alloc", "sched.finished"),
     ("P's output -> router", "sched.finished", "router.p_answer"),
-    # Since the router marks P's first piece: the hop above, split at it.
+    # Since the router marks P's first piece and takes P's head from the pieces as they
+    # come (kvpush.router.head.Early), before the whole answer is in.
     ("P's output -> its first piece at router", "sched.finished", "router.p_piece"),
-    ("router: P's first piece -> whole answer", "router.p_piece", "router.p_answer"),
+    ("router: P's first piece -> head", "router.p_piece", "router.p_head"),
+    ("router: P's head -> client", "router.p_head", "router.prepared"),
     ("router: P's answer -> client", "router.p_answer", "router.prepared"),
     ("router: in -> client", "router.recv", "router.prepared"),
 )

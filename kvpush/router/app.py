@@ -36,10 +36,9 @@ encoding, size, read deadline, nesting), and its own ``kv_transfer_params`` are 
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import aiohttp
@@ -204,10 +203,12 @@ async def _attempt(call: Call) -> Outcome:
     call.early = call.stream and head.eligible(call.body, call.chat)  # P's token may go first
     pbody = (head.prefill_body if call.early else bodies.prefill_body)(call.body, tid, call.chat)
     url = p.url + call.path
-    # Traced: P's first piece at the router, apart from its whole answer (`router.p_answer`).
-    first = functools.partial(trace.mark, "router.p_piece", tid) if trace.ON else None
+    # P's stream read as it comes: its head before its end (`head.Early`); traced, P's
+    # first piece at the router, apart from its whole answer (`router.p_answer`).
+    early = head.Early(call.chat, head.ids_hidden(call.body, call.chat)) if call.early else None
+    on_piece = _on_piece(early, tid) if early is not None or trace.ON else None
     p_leg = legs.call_unary(
-        call.upstreams, "prefill", url, pbody, call.headers, call.timeout, first
+        call.upstreams, "prefill", url, pbody, call.headers, call.timeout, on_piece
     )
     # Created before anything is awaited: both legs run concurrently.
     work = _checked(p_leg) if call.early else p_leg
@@ -217,8 +218,27 @@ async def _attempt(call: Call) -> Outcome:
     dbody = bodies.decode_body(call.body, tid, p.spec.side_channel, cfg.decode_kv_extra)
     log.debug("transfer %s: legs started on %s and %s (stream=%s)", tid, p.url, d.url, call.stream)
     if call.stream:
-        return await streaming.serve(call, dbody)
+        return await streaming.serve(call, dbody, early)
     return await unary.serve(call, dbody)
+
+
+def _on_piece(early: head.Early | None, tid: str) -> Callable[[bytes, str], None]:
+    """What P's pieces go to: `early`, and traced, the marks of P's first piece and of
+    its head."""
+    pieces = 0
+
+    def on_piece(piece: bytes, content_type: str) -> None:
+        nonlocal pieces
+        pieces += 1
+        if trace.ON and pieces == 1:
+            trace.mark("router.p_piece", tid)
+        if early is None or early.ready.done():
+            return
+        early.feed(piece, content_type)
+        if trace.ON and early.ready.done():
+            trace.mark("router.p_head", tid)
+
+    return on_piece
 
 
 async def _checked(answer: Awaitable[legs.LegResult]) -> legs.LegResult:

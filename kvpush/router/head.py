@@ -29,6 +29,7 @@ error event rather than with a text no single server would write.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -214,6 +215,34 @@ def from_answer(data: bytes, chat: bool, hide_ids: bool = False) -> Head | None:
     token_ids = _ints(choice.get("token_ids"))
     prompt_ids = isinstance(choice.get("prompt_token_ids"), list)
     return Head(b"".join(out), texts, token_ids, prompt_ids, p_prompt, p_token)
+
+
+class Early:
+    """P's streamed answer read as it comes (`feed`, each piece): `ready` gets its head
+    once P's first events are whole, before P's stream ends ([DONE] and the close of the
+    chunked body come a loop turn or more of P's server later, and the whole answer
+    waits for them). `from_answer` reads nothing past those events, so it makes the same
+    head of them as of the whole answer. When they make none, `ready` stays pending and
+    the whole answer decides (an error event in it fails the leg: `check_answer`)."""
+
+    def __init__(self, chat: bool, hide_ids: bool) -> None:
+        self.ready: asyncio.Future[Head] = asyncio.get_running_loop().create_future()
+        self.content_type = ""  # P's, for the client's headers
+        self._chat, self._hide = chat, hide_ids
+        self._buf: bytes | None = b""  # None once decided
+
+    def feed(self, piece: bytes, content_type: str) -> None:
+        if self._buf is None:
+            return
+        self._buf += piece
+        # An event ends with a blank line, which no JSON text holds unescaped.
+        if self._buf.count(_END) < (2 if self._chat else 1):
+            return
+        got = from_answer(self._buf, self._chat, self._hide)
+        self._buf = None
+        if got is not None:
+            self.content_type = content_type
+            self.ready.set_result(got)
 
 
 def _ints(value: Any) -> tuple[int, ...]:

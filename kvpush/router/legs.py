@@ -119,18 +119,23 @@ async def call_unary(
     body: dict[str, Any],
     headers: dict[str, str],
     timeout: float,
-    first: Callable[[], object] | None = None,
+    on_piece: Callable[[bytes, str], object] | None = None,
 ) -> LegResult:
-    """POST `body` and read the whole answer within `timeout` seconds; `first` is called
-    when the answer's first piece is in (a trace mark)."""
+    """POST `body` and read the whole answer within `timeout` seconds. A 2xx answer's
+    pieces also go to `on_piece` as they come, with its Content-Type (the head of P's
+    stream, before the stream ends: `head.Early`)."""
 
     async def call() -> LegResult:
         resp = await upstreams.post(url, jsonbody.dump(body), headers, _JSON)
         try:
-            data = await resp.readany()
-            if first is not None and data:
-                first()
-            data += await resp.read()
+            if on_piece is None or not 200 <= resp.status < 300:
+                data = await resp.read()
+            else:
+                ctype, parts = resp.headers.get("Content-Type", _JSON), []
+                while piece := await resp.readany():
+                    on_piece(piece, ctype)
+                    parts.append(piece)
+                data = b"".join(parts)
         finally:
             resp.release()
         if not 200 <= resp.status < 300:

@@ -30,9 +30,9 @@ _Opened = tuple[wire.Response, bytes]  # D's stream and its first piece
 FIRST_WHY = ("p_first", "d_first", "p_failed", "p_unusable")
 
 
-async def serve(call: Call, dbody: dict[str, Any]) -> Outcome:
-    """The decode stream; for an eligible request (`call.early`), P's first token may come
-    first."""
+async def serve(call: Call, dbody: dict[str, Any], early: head.Early | None = None) -> Outcome:
+    """The decode stream; for an eligible request (`call.early`, whose P's stream `early`
+    reads as it comes), P's first token may come first."""
     p, d = call.pair
     prefill, metrics = call.prefill, call.metrics
     with using(metrics, d) as verdict:
@@ -40,12 +40,12 @@ async def serve(call: Call, dbody: dict[str, Any]) -> Outcome:
         opening: asyncio.Task[_Opened] | None = None
         got: _Opened | head.Head | None = None
         try:
-            if not call.early:
+            if early is None:
                 got = await open_first(call, dbody, call.retry_ok)
             else:
                 opening = asyncio.create_task(open_first(call, dbody, call.retry_ok))
                 hide = head.ids_hidden(call.body, call.chat)
-                got, why = await _first_of(opening, prefill, call.chat, hide)
+                got, why = await _first_of(opening, prefill, early, call.chat, hide)
                 metrics.first_token("prefill" if isinstance(got, head.Head) else "decode", why)
             err = tracking.prefill_first(prefill, None)
         except legs.LegError as own:
@@ -75,7 +75,8 @@ async def serve(call: Call, dbody: dict[str, Any]) -> Outcome:
         # From here the client has a 200: a later failure can only be reported in-stream.
         upstream: wire.Response | None = None
         if isinstance(got, head.Head):
-            ctype, status = prefill.result().content_type, 200
+            ctype = early.content_type if early and early.ready.done() else ""
+            ctype, status = ctype or prefill.result().content_type, 200
         else:
             upstream, start = got
             ctype = upstream.headers.get("Content-Type", "text/event-stream")
@@ -117,13 +118,19 @@ async def serve(call: Call, dbody: dict[str, Any]) -> Outcome:
 
 
 async def _first_of(
-    opening: asyncio.Task[_Opened], prefill: asyncio.Task[Any], chat: bool, hide_ids: bool
+    opening: asyncio.Task[_Opened],
+    prefill: asyncio.Task[Any],
+    early: head.Early,
+    chat: bool,
+    hide_ids: bool,
 ) -> tuple[_Opened | head.Head, str]:
-    """D's first chunk, or P's first token when P's answer comes first and has one; and
-    why (`FIRST_WHY`)."""
-    await asyncio.wait((opening, prefill), return_when=asyncio.FIRST_COMPLETED)
+    """D's first chunk, or P's first token when P's answer (its head, `early`, or the
+    whole of it) comes first and has one; and why (`FIRST_WHY`)."""
+    await asyncio.wait((opening, prefill, early.ready), return_when=asyncio.FIRST_COMPLETED)
     if opening.done():
         why = "d_first"
+    elif early.ready.done():
+        return early.ready.result(), "p_first"
     elif not succeeded(prefill):
         why = "p_failed"
     else:

@@ -175,6 +175,7 @@ def test_a_traced_run_hop_by_hop(tmp_path: Path) -> None:
             marks.append({"t": t + ms / 1e3, "ev": ev, "id": tid, "rid": None})
     marks.append({"t": 100.1, "ev": "sched.finished", "id": "t0", "rid": None})  # D's, later
     marks.append({"t": 100.042, "ev": "router.p_piece", "id": "t0", "rid": None})  # t0's alone
+    marks.append({"t": 100.0425, "ev": "router.p_head", "id": "t0", "rid": None})
     folder = tmp_path / "trace" / "kvpush"
     folder.mkdir(parents=True)
     (folder / "11.jsonl").write_text("\n".join(json.dumps(m) for m in marks) + "\n")
@@ -186,7 +187,8 @@ def test_a_traced_run_hop_by_hop(tmp_path: Path) -> None:
     cells = [c.strip() for c in rows[2].strip("|").split("|")]
     assert cells[:4] == ["B", "2", "kvpush", "2"]
     assert cells[4:] == ["4.00 / 4.00", "36.00 / 36.00", "3.50 / 3.50", "2.00 / 2.00",
-                         "1.00 / 1.00", "1.00 / 1.00", "44.50 / 44.50", "47 / 2 (1)"]  # fmt: skip
+                         "0.50 / 0.50", "1.50 / 1.50", "1.00 / 1.00", "44.50 / 44.50",
+                         "47 / 2 (1)"]  # fmt: skip
     assert report.trace_split(tmp_path / "none", summary) == ""
     row.update(first_token_p_unusable=1.0, first_token_p_failed=0.0)  # since the router says why
     cells = [c.strip() for c in report.trace_split(tmp_path, summary).splitlines()[2].split("|")]

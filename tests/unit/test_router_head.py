@@ -344,7 +344,8 @@ def test_the_first_token_says_whose_it_is_and_why(
             answered.set_result(legs.LegResult(200, p_answer, "text/event-stream"))
         if d_first:
             opened.set_result(("d", b"d's first"))
-        first = asyncio.create_task(streaming._first_of(opened, answered, False, False))  # type: ignore[arg-type]
+        early = head.Early(False, False)  # fed nothing: the whole answer decides
+        first = asyncio.create_task(streaming._first_of(opened, answered, early, False, False))  # type: ignore[arg-type]
         # No timer and no I/O: the loop runs the ready callbacks in order, so by these
         # passes _first_of has looked at both legs and, unless P's answer did, waits on D's.
         for _ in range(10):
@@ -360,7 +361,56 @@ def test_the_first_token_says_whose_it_is_and_why(
     assert said in streaming.FIRST_WHY
 
 
-def test_traced_the_router_marks_ps_first_piece_and_whole_answer(
+def test_ps_head_goes_to_the_client_before_ps_stream_ends() -> None:
+    """P writes its token's event and ends its stream only once the client has that
+    event: the router takes P's head from the pieces as they come (`head.Early`)."""
+    client_has_first = asyncio.Event()
+
+    async def prefill(request: web.Request) -> web.StreamResponse:
+        await request.json()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(text_event(" the", "length"))
+        await asyncio.wait_for(client_has_first.wait(), DEADLINE)
+        await resp.write(DONE)
+        return resp
+
+    async def decode(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await asyncio.wait_for(client_has_first.wait(), DEADLINE)
+        await resp.write(text_event(" the") + text_event(".", "length") + DONE)
+        return resp
+
+    events, metrics = client_events(prefill, decode, client_has_first)
+    assert events == [text_event(" the"), text_event(".", "length"), DONE]
+    assert b'kvpush_router_first_token_total{leg="prefill",why="p_first"} 1.0' in metrics
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_early_makes_of_ps_first_events_the_head_of_the_whole_answer(chat: bool) -> None:
+    """Fed in pieces of any size, `Early` decides once P's first events are whole, and
+    decides as `from_answer` does on the whole answer; its pieces after that change
+    nothing."""
+    first = [role_event(), chat_event("Hi", "length")] if chat else [text_event("Hi", "length")]
+    answers = [b"".join(first) + DONE, first[0] + b"data: [1]\n\n" + DONE]
+    answers.append(b'data: {"error": {"code": 500}}\n\n' + DONE)
+
+    async def main() -> None:
+        for answer in answers:
+            whole = head.from_answer(answer, chat)
+            for size in (1, 7, len(answer)):
+                early = head.Early(chat, False)
+                for i in range(0, len(answer), size):
+                    early.feed(answer[i : i + size], "text/event-stream")
+                got = early.ready.result() if early.ready.done() else None
+                assert got == whole, (answer, size)
+                assert early.content_type == ("text/event-stream" if got else "")
+
+    asyncio.run(main())
+
+
+def test_traced_the_router_marks_ps_first_piece_head_and_whole_answer(
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from kvpush.core import trace
@@ -383,8 +433,9 @@ def test_traced_the_router_marks_ps_first_piece_and_whole_answer(
         if trace._out is not None:
             trace._out.close()
     marks = {str(e["ev"]): float(e["t"]) for e in trace.read(str(tmp_path))}  # type: ignore[arg-type]
-    assert marks["router.recv"] <= marks["router.p_piece"] <= marks["router.p_answer"]
-    assert marks["router.p_answer"] <= marks["router.prepared"]
+    assert marks["router.recv"] <= marks["router.p_piece"] <= marks["router.p_head"]
+    assert marks["router.p_head"] <= marks["router.prepared"]
+    assert marks["router.p_piece"] <= marks["router.p_answer"]
 
 
 def test_a_decoder_that_fails_after_ps_token_ends_the_stream_with_an_error_event() -> None:
