@@ -375,10 +375,13 @@ def router_counts(pair: Pair) -> dict[str, float]:
         return {}
     try:
         text = metrics_text(pair.router.url)
-        return {k: metric_in(text, name, labels) or 0.0 for k, (name, labels) in FIRST.items()}
+        out = {k: metric_in(text, name, labels) or 0.0 for k, (name, labels) in FIRST.items()}
     except OSError as e:
         _log(f"router {pair.router.url}/metrics: {e!r}")
         return {}
+    if 'why="' not in text:  # a router from before the label (a --variant): no count of why
+        out = {k: v for k, v in out.items() if "why" not in (FIRST[k][1] or {})}
+    return out
 
 
 def sweep(

@@ -12,6 +12,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -193,3 +195,23 @@ def test_a_traced_run_hop_by_hop(tmp_path: Path) -> None:
     row.update(first_token_p_unusable=1.0, first_token_p_failed=0.0)  # since the router says why
     cells = [c.strip() for c in report.trace_split(tmp_path, summary).splitlines()[2].split("|")]
     assert cells[-2] == "47 / 2 (1); D's for P's answer unusable / failed: 1 / 0"
+
+
+def test_router_counts_say_why_only_where_the_router_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A router from before the `why` label (a --variant) has no count of why: the run
+    keeps none, rather than zeros that would read as "P's answer was always usable"."""
+    lb = _load("load_bench_gpu")
+    pair = object.__new__(lb.KvpushPair)
+    pair.router = argparse.Namespace(url="http://router")
+    name = "kvpush_router_first_token_total"
+    new = f'{name}{{leg="prefill",why="p_first"}} 5.0\n'
+    new += f'{name}{{leg="decode",why="p_unusable"}} 2.0\n'
+    old = f'{name}{{leg="prefill"}} 5.0\n{name}{{leg="decode"}} 2.0\n'
+    monkeypatch.setattr(lb, "metrics_text", lambda url: new)
+    got = lb.router_counts(pair)
+    assert got["first_token_p"] == 5.0 and got["first_token_d"] == 2.0
+    assert got["first_token_p_unusable"] == 2.0 and got["first_token_p_failed"] == 0.0
+    monkeypatch.setattr(lb, "metrics_text", lambda url: old)
+    got = lb.router_counts(pair)
+    assert got["first_token_d"] == 2.0 and "first_token_p_unusable" not in got
+    assert lb.router_counts(object.__new__(lb.Plain)) == {}
