@@ -58,6 +58,9 @@ _SHAPING = (
 # D's next token could differ from a plain server's.
 _BY_OUTPUT = ("frequency_penalty", "presence_penalty", "bad_words")
 _END = b"\n\n"
+# The most of P's answer `Early` holds looking for its first events: those of a
+# one-token answer with a prompt's ids at any context length vLLM serves fit many times.
+_MAX_HEAD = 16 * 1024 * 1024
 _DONE = b"data: [DONE]"
 # Chat delta fields a token's text can be in (a reasoning parser splits it).
 _TEXT_FIELDS = frozenset(("content", "reasoning", "reasoning_content"))
@@ -229,16 +232,26 @@ class Early:
         self.ready: asyncio.Future[Head] = asyncio.get_running_loop().create_future()
         self.content_type = ""  # P's, for the client's headers
         self._chat, self._hide = chat, hide_ids
-        self._buf: bytes | None = b""  # None once decided
+        self._need = 2 if chat else 1  # whole events: the role's (chat) and the token's
+        self._buf: bytearray | None = bytearray()  # None once decided
+        self._ends, self._from = 0, 0  # events ended so far; where the last one ended
 
     def feed(self, piece: bytes, content_type: str) -> None:
         if self._buf is None:
             return
+        # Each byte is searched once (the last one again: an end across two pieces).
+        start = max(self._from, len(self._buf) - 1)
         self._buf += piece
-        # An event ends with a blank line, which no JSON text holds unescaped.
-        if self._buf.count(_END) < (2 if self._chat else 1):
+        if len(self._buf) > _MAX_HEAD:
+            self._buf = None  # not P's one-token answer: the whole answer decides
             return
-        got = from_answer(self._buf, self._chat, self._hide)
+        # An event ends with a blank line, which no JSON text holds unescaped.
+        while self._ends < self._need and (end := self._buf.find(_END, start)) >= 0:
+            self._ends += 1
+            start = self._from = end + len(_END)
+        if self._ends < self._need:
+            return
+        got = from_answer(bytes(self._buf), self._chat, self._hide)
         self._buf = None
         if got is not None:
             self.content_type = content_type

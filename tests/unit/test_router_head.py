@@ -410,6 +410,22 @@ def test_early_makes_of_ps_first_events_the_head_of_the_whole_answer(chat: bool)
     asyncio.run(main())
 
 
+def test_early_gives_up_on_an_answer_past_its_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An answer that has not ended its first events within `_MAX_HEAD` bytes is left to
+    the whole answer, however it is cut into pieces."""
+    monkeypatch.setattr(head, "_MAX_HEAD", 64)
+    event = text_event("x" * 80, "length")  # one event longer than the bound
+
+    async def main() -> None:
+        early = head.Early(False, False)
+        for i in range(len(event)):
+            early.feed(event[i : i + 1], "text/event-stream")
+        early.feed(DONE, "text/event-stream")
+        assert not early.ready.done()
+
+    asyncio.run(main())
+
+
 def test_traced_the_router_marks_ps_first_piece_head_and_whole_answer(
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
