@@ -231,7 +231,7 @@ class Early:
     def __init__(self, chat: bool, hide_ids: bool) -> None:
         self.ready: asyncio.Future[Head] = asyncio.get_running_loop().create_future()
         self.content_type = ""  # P's, for the client's headers
-        self._chat, self._hide = chat, hide_ids
+        self.chat, self.hide_ids = chat, hide_ids  # `from_answer`'s, also for the whole answer
         self._need = 2 if chat else 1  # whole events: the role's (chat) and the token's
         self._buf: bytearray | None = bytearray()  # None once decided
         self._ends, self._from = 0, 0  # events ended so far; where the last one ended
@@ -251,7 +251,7 @@ class Early:
             start = self._from = end + len(_END)
         if self._ends < self._need:
             return
-        got = from_answer(bytes(self._buf), self._chat, self._hide)
+        got = from_answer(bytes(self._buf), self.chat, self.hide_ids)
         self._buf = None
         if got is not None:
             self.content_type = content_type

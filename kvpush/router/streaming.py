@@ -44,8 +44,7 @@ async def serve(call: Call, dbody: dict[str, Any], early: head.Early | None = No
                 got = await open_first(call, dbody, call.retry_ok)
             else:
                 opening = asyncio.create_task(open_first(call, dbody, call.retry_ok))
-                hide = head.ids_hidden(call.body, call.chat)
-                got, why = await _first_of(opening, prefill, early, call.chat, hide)
+                got, why = await _first_of(opening, prefill, early)
                 metrics.first_token("prefill" if isinstance(got, head.Head) else "decode", why)
             err = tracking.prefill_first(prefill, None)
         except legs.LegError as own:
@@ -75,8 +74,8 @@ async def serve(call: Call, dbody: dict[str, Any], early: head.Early | None = No
         # From here the client has a 200: a later failure can only be reported in-stream.
         upstream: wire.Response | None = None
         if isinstance(got, head.Head):
-            ctype = early.content_type if early and early.ready.done() else ""
-            ctype, status = ctype or prefill.result().content_type, 200
+            assert early is not None  # a head comes only from P's leg that `early` reads
+            ctype, status = early.content_type or prefill.result().content_type, 200
         else:
             upstream, start = got
             ctype = upstream.headers.get("Content-Type", "text/event-stream")
@@ -121,8 +120,6 @@ async def _first_of(
     opening: asyncio.Task[_Opened],
     prefill: asyncio.Task[Any],
     early: head.Early,
-    chat: bool,
-    hide_ids: bool,
 ) -> tuple[_Opened | head.Head, str]:
     """D's first chunk, or P's first token when P's answer (its head, `early`, or the
     whole of it) comes first and has one; and why (`FIRST_WHY`)."""
@@ -134,7 +131,7 @@ async def _first_of(
     elif not succeeded(prefill):
         why = "p_failed"
     else:
-        got = head.from_answer(prefill.result().body, chat, hide_ids)
+        got = head.from_answer(prefill.result().body, early.chat, early.hide_ids)
         if got is not None:
             return got, "p_first"
         why = "p_unusable"

@@ -345,7 +345,7 @@ def test_the_first_token_says_whose_it_is_and_why(
         if d_first:
             opened.set_result(("d", b"d's first"))
         early = head.Early(False, False)  # fed nothing: the whole answer decides
-        first = asyncio.create_task(streaming._first_of(opened, answered, early, False, False))  # type: ignore[arg-type]
+        first = asyncio.create_task(streaming._first_of(opened, answered, early))  # type: ignore[arg-type]
         # No timer and no I/O: the loop runs the ready callbacks in order, so by these
         # passes _first_of has looked at both legs and, unless P's answer did, waits on D's.
         for _ in range(10):
@@ -359,6 +359,20 @@ def test_the_first_token_says_whose_it_is_and_why(
     assert said == why
     assert isinstance(got, head.Head) == (why == "p_first")
     assert said in streaming.FIRST_WHY
+
+
+def decodes_after(client_has_first: asyncio.Event) -> Any:
+    """A decoder that streams " the" (P's copy), "." and the end once the client has its
+    first event: that event can only be P's."""
+
+    async def decode(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await asyncio.wait_for(client_has_first.wait(), DEADLINE)
+        await resp.write(text_event(" the") + text_event(".", "length") + DONE)
+        return resp
+
+    return decode
 
 
 def test_ps_head_goes_to_the_client_before_ps_stream_ends() -> None:
@@ -375,14 +389,7 @@ def test_ps_head_goes_to_the_client_before_ps_stream_ends() -> None:
         await resp.write(DONE)
         return resp
 
-    async def decode(request: web.Request) -> web.StreamResponse:
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
-        await asyncio.wait_for(client_has_first.wait(), DEADLINE)
-        await resp.write(text_event(" the") + text_event(".", "length") + DONE)
-        return resp
-
-    events, metrics = client_events(prefill, decode, client_has_first)
+    events, metrics = client_events(prefill, decodes_after(client_has_first), client_has_first)
     assert events == [text_event(" the"), text_event(".", "length"), DONE]
     assert b'kvpush_router_first_token_total{leg="prefill",why="p_first"} 1.0' in metrics
 
@@ -436,15 +443,8 @@ def test_traced_the_router_marks_ps_first_piece_head_and_whole_answer(
     monkeypatch.setattr(trace, "_out", None)
     client_has_first = asyncio.Event()
 
-    async def decode(request: web.Request) -> web.StreamResponse:
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
-        await asyncio.wait_for(client_has_first.wait(), DEADLINE)
-        await resp.write(text_event(" the") + text_event(".", "length") + DONE)
-        return resp
-
     try:
-        client_events(streams_one_token({}), decode, client_has_first)
+        client_events(streams_one_token({}), decodes_after(client_has_first), client_has_first)
     finally:
         if trace._out is not None:
             trace._out.close()
