@@ -205,7 +205,7 @@ async def _attempt(call: Call) -> Outcome:
     url = p.url + call.path
     # P's stream read as it comes: its head before its end (`head.Early`); traced, P's
     # first piece at the router, apart from its whole answer (`router.p_answer`).
-    early = head.Early(call.chat, head.id_in_logprobs(call.body, call.chat)) if call.early else None
+    early = head.Early(call.chat, head.ids_hidden(call.body, call.chat)) if call.early else None
     on_piece = _on_piece(early, tid) if early is not None or trace.ON else None
     p_leg = legs.call_unary(
         call.upstreams, "prefill", url, pbody, call.headers, call.timeout, on_piece

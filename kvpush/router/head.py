@@ -16,21 +16,21 @@ event and D's copy of the token out of D's stream.
 
 Numerically, D's recomputed token can still differ from P's (a near tie between P's
 prefill and D's one-token recompute). D's later tokens would follow from its own copy, so
-the router drops that stream (D aborts the request) and asks D again
-(`kvpush.router.onward`): a completion goes on from P's token, whose id P's leg asks for
-alone, as its logprobs entry (`id_in_logprobs`; null in the client's event, as a plain
-server writes it unasked). Not `return_token_ids`: that would put the prompt's ids in
-P's event, tens of kB for a long prompt on the client's first-token path, for a rare
-case; a client that asked for ids gets them, P's token's among them, in P's event. D's
-stream of that continuation passes with its usage counted as the client's request
-(`Continued`).
+the router drops that stream (D aborts the request) and asks D again. A completion goes on
+from P's token: P's leg asks for the token ids (`return_token_ids`, taken out of the
+client's events unless the client asked too), and D gets the prompt's ids with P's token
+after them, one token fewer to write (`continue_body`); its stream then passes with its
+usage counted as the client's request (`Continued`). A chat request, a completion whose
+ids P's answer lacks or whose penalties count written tokens (`_BY_OUTPUT`), or a
+continuation D refuses, is computed again from the whole prompt as P computed it
+(`again_body`); should that first token differ from P's too, the stream ends with an
+error event rather than with a text no single server would write.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,6 +53,10 @@ _SHAPING = (
     "echo",
     "stop",
 )
+# Sampling fields that treat written tokens unlike prompt ones (penalties on the output
+# only; bad words matched across written tokens): with P's token moved into D's prompt,
+# D's next token could differ from a plain server's.
+_BY_OUTPUT = ("frequency_penalty", "presence_penalty", "bad_words")
 _END = b"\n\n"
 # The most of P's answer `Early` holds looking for its first events: those of a
 # one-token answer with a prompt's ids at any context length vLLM serves fit many times.
@@ -60,10 +64,6 @@ _MAX_HEAD = 16 * 1024 * 1024
 _DONE = b"data: [DONE]"
 # Chat delta fields a token's text can be in (a reasoning parser splits it).
 _TEXT_FIELDS = frozenset(("content", "reasoning", "reasoning_content"))
-# P's token as its logprobs entry writes it with `return_tokens_as_token_ids` (vLLM's
-# format_token_id_placeholder); ASCII digits only, no sign, no leading zero.
-_TOKEN_ID = re.compile(r"token_id:(0|[1-9][0-9]{0,9})")
-MAX_ID = 2**31 - 1  # vLLM keeps token ids as int32
 
 
 def eligible(body: dict[str, Any], chat: bool) -> bool:
@@ -106,16 +106,47 @@ def prefill_body(body: dict[str, Any], transfer_id: str, chat: bool) -> dict[str
     out["stream"] = True
     if body.get("stream_options") is not None:
         out["stream_options"] = body["stream_options"]
-    if id_in_logprobs(body, chat):
-        # P's token id for `onward.continue_body`, without the prompt's ids.
-        out["logprobs"], out["return_tokens_as_token_ids"] = 0, True
+    if not chat:
+        out["return_token_ids"] = True  # for `continue_body`; hidden unless asked
     return out
 
 
-def id_in_logprobs(body: dict[str, Any], chat: bool) -> bool:
-    """Whether P's leg asks for its token's id as its logprobs entry (`prefill_body`): a
-    completion whose client did not ask for ids (`eligible` leaves it no logprobs)."""
+def ids_hidden(body: dict[str, Any], chat: bool) -> bool:
+    """Whether P's answer carries token ids the client did not ask for (`prefill_body`)."""
     return not chat and body.get("return_token_ids") is not True
+
+
+def continue_body(dbody: dict[str, Any], first: Head) -> dict[str, Any] | None:
+    """D's request once more after its first token differed from P's, going on from P's
+    token: the prompt's token ids as P computed them with P's token after them, one token
+    fewer to write, without P's KV (D's prefix cache may still hold the pushed blocks).
+    None when P's answer lacks the ids or its token has no text of its own (the first part
+    of a character: D's text would then begin inside it) or text with U+FFFD (bytes that
+    are no character: how the text after them reads depends on where the detokenizer
+    started, which a prompt ending in P's token changes), or when the next token depends
+    on which tokens were written rather than prompt (`_BY_OUTPUT`)."""
+    text = first.texts.get("text")
+    if not first.p_prompt or len(first.p_token) != 1 or not text or "\ufffd" in text:
+        return None
+    if any(dbody.get(name) not in (None, 0, 0.0, []) for name in _BY_OUTPUT):
+        return None
+    drop = ("kv_transfer_params", "truncate_prompt_tokens")  # the ids are P's, cut already
+    out = {k: v for k, v in dbody.items() if k not in drop}
+    out["prompt"] = [*first.p_prompt, *first.p_token]
+    for name in ("max_tokens", "min_tokens"):
+        count = out.get(name)
+        if bodies.is_int(count) and count > 0:
+            out[name] = count - 1
+    return out
+
+
+def again_body(dbody: dict[str, Any], transfer_id: str) -> dict[str, Any]:
+    """D's request once more after its first token differed from P's: the client's body
+    without P's KV, salted so that D's prefix cache (the blocks P pushed) does not serve
+    it, and D computes the whole prompt, as P did, instead of the last token alone."""
+    out = {k: v for k, v in dbody.items() if k != "kv_transfer_params"}
+    out["cache_salt"] = f"kvpush-again-{transfer_id}"
+    return out
 
 
 def check_answer(result: legs.LegResult) -> legs.LegResult:
@@ -140,21 +171,21 @@ class Head:
     # The event carried the prompt's token ids (a completion's ``return_token_ids``):
     # vLLM sends them once, with a choice's first event, so D's copy goes.
     prompt_ids: bool = False
-    # P's prompt ids (only when the client asked for them) and P's token id (also from
-    # P's logprobs entry, `id_in_logprobs`): what `onward.continue_body` goes on from.
+    # P's prompt and token ids, also those taken out of the client's event
+    # (`ids_hidden`): what `continue_body` goes on from.
     p_prompt: tuple[int, ...] = ()
     p_token: tuple[int, ...] = ()
 
 
-def from_answer(data: bytes, chat: bool, id_in_logprobs: bool = False) -> Head | None:
+def from_answer(data: bytes, chat: bool, hide_ids: bool = False) -> Head | None:
     """The head of P's streamed answer; None when it is not one token that a plain
     server would send as is (it ended for another reason than its length). vLLM's
     detokenizers write a token's text alike whether the request ends with it or not
     (without stop strings, which `eligible` excludes): an empty text (the token is the
     first part of a character, held back) and a text with U+FFFD (bytes that are no
     character, say from a prompt's) are sent as they are; D's copy is the same. With
-    `id_in_logprobs`, P's token id is taken from the event's logprobs (`prefill_body`),
-    which are set to none in the client's, as a plain server writes them unasked."""
+    `hide_ids`, the token ids in P's event are kept in `p_prompt` and `p_token` and set to
+    none in the client's, as a plain server writes them unasked."""
     events = [e for e in _events(data) if not e.startswith(_DONE)]
     out = []
     if chat:
@@ -179,10 +210,10 @@ def from_answer(data: bytes, chat: bool, id_in_logprobs: bool = False) -> Head |
         choice.pop("stop_reason", None)  # a chat chunk has it only when finished
     obj.pop("system_fingerprint", None)  # only on a finished chunk
     p_token, p_prompt = _ints(choice.get("token_ids")), _ints(choice.get("prompt_token_ids"))
-    if id_in_logprobs:
-        p_token = _logprob_id(choice.get("logprobs"))
-        if "logprobs" in choice:
-            choice["logprobs"] = None
+    if hide_ids:
+        for key in ("token_ids", "prompt_token_ids"):
+            if key in choice:
+                choice[key] = None
     out.append(_event(obj))
     token_ids = _ints(choice.get("token_ids"))
     prompt_ids = isinstance(choice.get("prompt_token_ids"), list)
@@ -197,11 +228,10 @@ class Early:
     head of them as of the whole answer. When they make none, `ready` stays pending and
     the whole answer decides (an error event in it fails the leg: `check_answer`)."""
 
-    def __init__(self, chat: bool, id_in_logprobs: bool) -> None:
+    def __init__(self, chat: bool, hide_ids: bool) -> None:
         self.ready: asyncio.Future[Head] = asyncio.get_running_loop().create_future()
         self.content_type = ""  # P's, for the client's headers
-        # `from_answer`'s, also for the whole answer
-        self.chat, self.id_in_logprobs = chat, id_in_logprobs
+        self.chat, self.hide_ids = chat, hide_ids  # `from_answer`'s, also for the whole answer
         self._need = 2 if chat else 1  # whole events: the role's (chat) and the token's
         self._buf: bytearray | None = bytearray()  # None once decided
         self._ends, self._from = 0, 0  # events ended so far; where the last one ended
@@ -221,7 +251,7 @@ class Early:
             start = self._from = end + len(_END)
         if self._ends < self._need:
             return
-        got = from_answer(bytes(self._buf), self.chat, self.id_in_logprobs)
+        got = from_answer(bytes(self._buf), self.chat, self.hide_ids)
         self._buf = None
         if got is not None:
             self.content_type = content_type
@@ -232,16 +262,6 @@ def _ints(value: Any) -> tuple[int, ...]:
     if not isinstance(value, list) or not bodies.all_ints(value):
         return ()
     return tuple(value)
-
-
-def _logprob_id(logprobs: Any) -> tuple[int, ...]:
-    """The token id of a one-token logprobs entry written as ids (vLLM's
-    ``token_id:<id>``), as `Head.p_token`; () for anything else (no continuation)."""
-    tokens = logprobs.get("tokens") if isinstance(logprobs, dict) else None
-    if not isinstance(tokens, list) or len(tokens) != 1 or not isinstance(tokens[0], str):
-        return ()
-    got = _TOKEN_ID.fullmatch(tokens[0])
-    return (int(got[1]),) if got is not None and int(got[1]) <= MAX_ID else ()
 
 
 class _ByEvent:
@@ -275,7 +295,7 @@ class _ByEvent:
 
 
 class Continued(_ByEvent):
-    """D's stream of a continuation (`onward.continue_body`) as the rest of the client's: its
+    """D's stream of a continuation (`continue_body`) as the rest of the client's: its
     usage counts P's token as written, not as prompt, and its first event loses the
     prompt ids (D's have P's token on them; the client had P's)."""
 

@@ -17,7 +17,7 @@ from typing import Any
 from aiohttp import web
 
 from kvpush.core import trace
-from kvpush.router import head, legs, onward, replies, sse, tracking, wire
+from kvpush.router import head, legs, replies, sse, tracking, wire
 from kvpush.router.call import Call, Outcome
 from kvpush.router.tracking import REFUSAL_GRACE_S, retrieve, settle, succeeded, timed, using
 
@@ -131,7 +131,7 @@ async def _first_of(
     elif not succeeded(prefill):
         why = "p_failed"
     else:
-        got = head.from_answer(prefill.result().body, early.chat, early.id_in_logprobs)
+        got = head.from_answer(prefill.result().body, early.chat, early.hide_ids)
         if got is not None:
             return got, "p_first"
         why = "p_unusable"
@@ -150,8 +150,8 @@ async def _after_head(
     P that answered and then left the pool never pushes: an in-stream error at once),
     then D's stream without its copy of the head. When D's first token is not P's, D's
     continuation would not follow the client's first token: D goes on from P's token
-    (`_continued`; `onward.continue_body`), or computes the request again
-    (`onward.again_body`), and that stream, whose first token must be P's, goes on."""
+    (`_continued`), or computes the request again (`head.again_body`), and that stream,
+    whose first token must be P's, goes on."""
     chat, timeout = call.chat, call.timeout
     upstream, piece = await tracking.watched(call.prefill, opening, REFUSAL_GRACE_S, call.p)
     piece, differs = await _trimmed(upstream, piece, first, chat, timeout)
@@ -159,13 +159,11 @@ async def _after_head(
         return await sse.pump(upstream, out, "decode", timeout, piece, client)
     call.metrics.first_token_mismatch()
     upstream.close()  # D aborts that request and frees its blocks
-    going = None
-    if onward.may_continue(dbody, first):  # (else the prompt's ids are not looked for)
-        going = onward.continue_body(dbody, first, await onward.prompt_ids(call, dbody, first))
-    if going is not None:
+    onward = head.continue_body(dbody, first)
+    if onward is not None:
         log.warning("D's first token differed from P's, which the client has: D goes on from P's")
         try:
-            upstream, piece = await open_first(call, going, True)
+            upstream, piece = await open_first(call, onward, True)
         except legs.LegError as e:
             if not e.refused:  # say, a prompt one token too long for D's model length
                 raise
@@ -173,7 +171,7 @@ async def _after_head(
         else:
             return await _continued(upstream, piece, out, timeout)
     log.warning("D's first token differed from P's, which the client has: D computes it again")
-    upstream, piece = await open_first(call, onward.again_body(dbody, call.tid), True)
+    upstream, piece = await open_first(call, head.again_body(dbody, call.tid), True)
     ok = False
     try:
         piece, differs = await _trimmed(upstream, piece, first, chat, timeout)

@@ -316,33 +316,17 @@ def _wait_idle(c: Cluster, what: str, timeout: float = 10.0) -> None:
         time.sleep(0.2)
 
 
-@pytest.mark.parametrize(
-    "change",
-    [
-        {},  # a text prompt: its ids from P's /tokenize
-        {"add_special_tokens": False},
-        {"prompt": ids(60, 4)},  # token ids: those, as they are
-        {"prompt": ["silver moons and rivers"]},
-    ],
-    ids=["text", "text_no_special_tokens", "token_ids", "text_in_a_list"],
-)
-def test_ds_differing_first_token_goes_on_from_ps(
-    env: dict[str, Any], tmp_path: Path, change: dict[str, Any]
-) -> None:
+def test_ds_differing_first_token_goes_on_from_ps(env: dict[str, Any], tmp_path: Path) -> None:
     """D's first token is made to differ from P's on the way to the router (a near tie
     on a GPU would do that): D's continuation would follow the wrong token, so the router
-    asks D to go on from P's token (the prompt's ids, P's token after them, one token
-    fewer), and the answer, usage included, is still the plain server's. P's leg returned
-    its token's id alone; a text prompt's ids come from P's /tokenize, as P computed them
-    (else the usage, or the text, would differ). D is stopped until the client has P's
-    token, so the head path is taken."""
+    asks D to go on from P's token (the prompt's ids P returned, P's token after them, one
+    token fewer), and the answer, usage included, is still the plain server's. D is stopped
+    until the client has P's token, so the head path is taken."""
     c: Cluster = env["cluster"]
     body: dict[str, Any] = {"prompt": PROMPT, "stream": True, "temperature": 0, "max_tokens": 8}
     body["stream_options"] = {"include_usage": True}
-    body.update(change)
     _, want, _ = send(env["plain"], Case("again", COMPLETIONS, body), env["model"])
     assert want[-2]["usage"]["completion_tokens"] == 8
-    p_logged = c.p.log_path.stat().st_size
     with via_link(c, tmp_path, hold=False, rewrite_first=_other_first_char) as (router, link):
         url = router.url + COMPLETIONS
         events, gave_up = _stream_with_d_stopped(c, url, {"model": env["model"], **body})
@@ -351,13 +335,7 @@ def test_ds_differing_first_token_goes_on_from_ps(
         assert len(link.posts) == 2, "D was not asked again"
         assert metric(router.url, "kvpush_router_first_token_mismatch_total") == 1
         assert metric(router.url, "kvpush_router_first_token_total", {"leg": "prefill"}) == 1
-        logged = (tmp_path / "router.log").read_text()
-        assert "D goes on from P's" in logged and "no prompt ids" not in logged, logged
-    # uvicorn logs a request's line once its answer starts: before the router had the ids.
-    with open(c.p.log_path, "rb") as log:
-        log.seek(p_logged)
-        tokenized = log.read().count(b'"POST /tokenize HTTP/1.1" 200')
-    assert tokenized == (0 if isinstance(body["prompt"][0], int) else 1)
+        assert "D goes on from P's" in (tmp_path / "router.log").read_text()
     assert not differences(merged(strip(events)), merged(strip(want)))
     _wait_idle(c, "after the request went on from P's token")
 

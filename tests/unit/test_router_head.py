@@ -1,20 +1,17 @@
 """P's first token to the client (kvpush.router.head): which requests qualify, P's events
-as a plain server's, D's stream without its copy, D asked again after a differing first
-token (kvpush.router.onward); and through the router with stub upstreams that stream as
-vLLM does."""
+as a plain server's, D's stream without its copy; and through the router with stub
+upstreams that stream as vLLM does."""
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
-import logging
 from typing import Any
 
 import pytest
 from aiohttp import web
 
-from kvpush.router import head, legs, onward, sse
+from kvpush.router import head, legs, sse
 from tests.unit.test_router import DEADLINE, running, stub
 
 GREEDY = {"model": "m", "prompt": "hello", "max_tokens": 8, "stream": True, "temperature": 0}
@@ -101,23 +98,11 @@ def test_the_prefill_leg_is_streamed_like_the_clients() -> None:
     assert out["stream"] is True and out["max_tokens"] == 1
     assert out["stream_options"] == {"include_usage": True}
     assert out["kv_transfer_params"] == {"do_remote_decode": True, "transfer_id": "t1"}
-    # A completion's P leg asks for P's token id alone (its logprobs entry written as an
-    # id), not for the prompt's ids; a chat one asks for neither.
-    assert out["logprobs"] == 0 and out["return_tokens_as_token_ids"] is True
-    assert "return_token_ids" not in out
-    chat = head.prefill_body(CHAT, "t1", chat=True)
-    assert not {"return_token_ids", "logprobs", "return_tokens_as_token_ids"} & set(chat)
-    assert head.id_in_logprobs(body, chat=False) and not head.id_in_logprobs(CHAT, chat=True)
-    unasked = head.prefill_body({**body, "return_token_ids": False}, "t1", chat=False)
-    assert unasked["logprobs"] == 0 and unasked["return_token_ids"] is False
-
-
-def test_a_client_that_asked_for_token_ids_gets_them_from_ps_leg_as_before() -> None:
-    body = {**GREEDY, "return_token_ids": True}
-    out = head.prefill_body(body, "t1", chat=False)
+    # A completion's P leg asks for the ids D may go on from; a chat one does not.
     assert out["return_token_ids"] is True
-    assert "logprobs" not in out and "return_tokens_as_token_ids" not in out
-    assert not head.id_in_logprobs(body, chat=False)
+    assert "return_token_ids" not in head.prefill_body(CHAT, "t1", chat=True)
+    assert head.ids_hidden(body, chat=False) and not head.ids_hidden(CHAT, chat=True)
+    assert not head.ids_hidden({**body, "return_token_ids": True}, chat=False)
 
 
 def test_ps_completion_token_event_is_sent_as_an_unfinished_one() -> None:
@@ -165,7 +150,7 @@ def test_a_text_with_u_fffd_is_sent_as_p_wrote_it_and_not_gone_on_from() -> None
     assert h is not None and h.texts == {"text": "ab\ufffd c"}
     assert h.events == with_prompt_ids(text_event("ab\ufffd c", None, [7]), [1, 2])
     assert head.Trim(h, chat=False).feed(text_event("ab\ufffd c", None, [7]) + DONE) == DONE
-    assert not onward.may_continue(GREEDY, h) and onward.continue_body(GREEDY, h, (1, 2)) is None
+    assert head.continue_body(GREEDY, h) is None
 
 
 def test_a_token_without_text_yet_is_sent_empty_and_ds_text_passes_whole() -> None:
@@ -287,18 +272,16 @@ def streams_one_token(seen: dict[str, Any]) -> Any:
 
 
 def client_events(
-    prefill: Any, decode: Any, client_has_first: asyncio.Event, body: dict[str, Any] = GREEDY
+    prefill: Any, decode: Any, client_has_first: asyncio.Event
 ) -> tuple[list[bytes], bytes]:
-    """A greedy streamed completion (`body`) through the router over these stub legs (a
-    handler, or P's whole app): the client's events (`client_has_first` set at the
-    first), then the router's /metrics."""
-    p_app = prefill if isinstance(prefill, web.Application) else stub(prefill)
+    """A greedy streamed completion through the router over these stub legs: the client's
+    events (`client_has_first` set at the first), then the router's /metrics."""
 
     async def main() -> tuple[list[bytes], bytes]:
         events = []
-        async with running(p_app, stub(decode)) as (url, cl):
+        async with running(stub(prefill), stub(decode)) as (url, cl):
             async with asyncio.timeout(2 * DEADLINE):
-                async with cl.post(url + "/v1/completions", json=body) as resp:
+                async with cl.post(url + "/v1/completions", json=GREEDY) as resp:
                     assert resp.status == 200
                     async for line in resp.content:
                         if line.startswith(b"data: "):
@@ -420,14 +403,11 @@ def test_early_makes_of_ps_first_events_the_head_of_the_whole_answer(chat: bool)
     answers = [b"".join(first) + DONE, first[0] + b"data: [1]\n\n" + DONE]
     answers.append(b'data: {"error": {"code": 500}}\n\n' + DONE)
 
-    if not chat:  # P's leg asked for its token id as its logprobs entry
-        answers.append(with_logprobs(text_event("Hi", "length"), ["token_id:5"]) + DONE)
-
     async def main() -> None:
-        for answer, flag in itertools.product(answers, (False, True)):
-            whole = head.from_answer(answer, chat, flag)
+        for answer in answers:
+            whole = head.from_answer(answer, chat)
             for size in (1, 7, len(answer)):
-                early = head.Early(chat, flag)
+                early = head.Early(chat, False)
                 for i in range(0, len(answer), size):
                     early.feed(answer[i : i + size], "text/event-stream")
                 got = early.ready.result() if early.ready.done() else None
@@ -492,7 +472,7 @@ def test_a_decoder_that_fails_after_ps_token_ends_the_stream_with_an_error_event
 
 def test_ds_request_again_has_no_kv_of_ps_and_its_own_cache_salt() -> None:
     dbody = {**GREEDY, "cache_salt": "mine", "kv_transfer_params": {"do_remote_prefill": True}}
-    again = onward.again_body(dbody, "t1")
+    again = head.again_body(dbody, "t1")
     assert "kv_transfer_params" not in again
     assert again["cache_salt"] == "kvpush-again-t1"
     assert {k: v for k, v in again.items() if k != "cache_salt"} == GREEDY
@@ -547,136 +527,47 @@ def with_prompt_ids(event: bytes, ids: list[int] | None) -> bytes:
     return ev(obj)
 
 
-def with_logprobs(event: bytes, tokens: Any) -> bytes:
-    """The event with the logprobs entry vLLM writes for ``logprobs: 0`` and
-    ``return_tokens_as_token_ids`` (its ``tokens`` as given)."""
-    obj = json.loads(event[5:])
-    obj["choices"][0]["logprobs"] = {
-        "text_offset": [0],
-        "token_logprobs": [-6.2],
-        "tokens": tokens,
-        "top_logprobs": [{"token_id:5": -6.2}],
-    }
-    return ev(obj)
-
-
-def test_ps_token_id_comes_from_its_logprobs_entry_which_the_client_gets_as_null() -> None:
-    """P's leg asks for its token's id as its logprobs entry (`prefill_body`): the head
-    keeps the id for D, and the client's event has logprobs null, as a plain server writes
-    them unasked (vLLM 0.32: ``"logprobs":null`` in every completion chunk)."""
-    answer = with_logprobs(text_event(" the", "length"), ["token_id:5"]) + DONE
-    h = head.from_answer(answer, chat=False, id_in_logprobs=True)
-    assert h is not None and (h.p_prompt, h.p_token) == ((), (5,))
-    assert h.events == text_event(" the")
-    assert h.ids == () and not h.prompt_ids  # D's stream (unasked) has none to take off
-    top = with_logprobs(text_event(" the", "length"), [f"token_id:{head.MAX_ID}"]) + DONE
-    got = head.from_answer(top, chat=False, id_in_logprobs=True)
-    assert got is not None and got.p_token == (head.MAX_ID,)
-    # Without the flag (a client's own logprobs: not eligible), the entry is left alone.
-    kept = head.from_answer(answer, chat=False)
-    assert kept is not None and kept.p_token == ()
-    assert kept.events == with_logprobs(text_event(" the"), ["token_id:5"])
-
-
-def test_ids_the_client_asked_for_are_shown_and_kept_for_d() -> None:
+def test_ids_the_client_did_not_ask_for_are_kept_for_d_and_hidden_from_the_client() -> None:
+    """P's leg asks for token ids (`prefill_body`); unasked, the client's event has them
+    as a plain server writes them unasked (null), and the head keeps P's for D."""
     answer = with_prompt_ids(text_event(" the", "length", [5]), [1, 2, 3]) + DONE
+    h = head.from_answer(answer, chat=False, hide_ids=True)
+    assert h is not None and (h.p_prompt, h.p_token) == ((1, 2, 3), (5,))
+    assert h.ids == () and not h.prompt_ids  # D's stream (unasked) has none to take off
+    plain = json.loads(with_prompt_ids(text_event(" the", None, [5]), [1, 2, 3])[5:])
+    plain["choices"][0].update(token_ids=None, prompt_token_ids=None)
+    assert h.events == ev(plain)
     asked = head.from_answer(answer, chat=False)
     assert asked is not None and asked.ids == (5,) and asked.prompt_ids
     assert (asked.p_prompt, asked.p_token) == ((1, 2, 3), (5,))
-    assert asked.events == with_prompt_ids(text_event(" the", None, [5]), [1, 2, 3])
-
-
-@pytest.mark.parametrize(
-    "logprobs",
-    [
-        None,
-        "token_id:5",
-        5,
-        ["token_id:5"],
-        {},
-        {"tokens": None},
-        {"tokens": "token_id:5"},
-        {"tokens": []},
-        {"tokens": ["token_id:5", "token_id:6"]},
-        {"tokens": [5]},
-        {"tokens": [True]},
-        {"tokens": [None]},
-        {"tokens": [["token_id:5"]]},
-        {"tokens": [[[[["token_id:5"]]]]]},
-        {"tokens": [{"token_id": 5}]},
-        {"tokens": ["token_id:-1"]},
-        {"tokens": ["token_id:abc"]},
-        {"tokens": ["token_id:"]},
-        {"tokens": ["token_id:05"]},
-        {"tokens": ["token_id:+5"]},
-        {"tokens": ["token_id: 5"]},
-        {"tokens": ["token_id:5 "]},
-        {"tokens": ["token_id:5\n"]},
-        {"tokens": ["token_id:5_0"]},
-        {"tokens": ["token_id:5.0"]},
-        {"tokens": ["token_id:\u0665"]},  # a digit, not an ASCII one
-        {"tokens": ["Token_id:5"]},
-        {"tokens": [" the"]},
-        {"tokens": [f"token_id:{head.MAX_ID + 1}"]},
-        {"tokens": ["token_id:" + "9" * 5000]},  # past int()'s digit limit
-    ],
-)
-def test_a_malformed_logprobs_entry_gives_no_token_id(logprobs: Any) -> None:
-    obj = json.loads(text_event(" the", "length")[5:])
-    obj["choices"][0]["logprobs"] = logprobs
-    h = head.from_answer(ev(obj) + DONE, chat=False, id_in_logprobs=True)
-    assert h is not None and h.p_token == ()
-    assert h.events == text_event(" the")  # the client's event is a plain server's still
-    assert not onward.may_continue(GREEDY, h) and onward.continue_body(GREEDY, h, (1, 2)) is None
-
-
-def test_a_logprobs_entry_nested_too_deep_gives_no_head() -> None:
-    deep = b"[" * 100_000 + b"]" * 100_000
-    event = b'data: {"choices": [{"index": 0, "text": "x", "finish_reason": "length", '
-    event += b'"logprobs": ' + deep + b"}]}\n\n"
-    assert head.from_answer(event + DONE, chat=False, id_in_logprobs=True) is None
 
 
 def test_d_goes_on_from_ps_token_with_one_token_fewer() -> None:
-    answer = with_logprobs(text_event(" the", "length"), ["token_id:5"]) + DONE
-    h = head.from_answer(answer, chat=False, id_in_logprobs=True)
-    assert h is not None and onward.may_continue(GREEDY, h)
+    answer = with_prompt_ids(text_event(" the", "length", [5]), [1, 2, 3]) + DONE
+    h = head.from_answer(answer, chat=False, hide_ids=True)
+    assert h is not None
     dbody = {**GREEDY, "min_tokens": 2, "truncate_prompt_tokens": 3, "cache_salt": "s"}
     dbody["kv_transfer_params"] = {"do_remote_prefill": True}
-    going = onward.continue_body(dbody, h, (1, 2, 3))
-    assert going is not None
-    assert going["prompt"] == [1, 2, 3, 5] and going["max_tokens"] == 7
-    assert going["min_tokens"] == 1 and going["cache_salt"] == "s"
-    assert "kv_transfer_params" not in going and "truncate_prompt_tokens" not in going
+    onward = head.continue_body(dbody, h)
+    assert onward is not None
+    assert onward["prompt"] == [1, 2, 3, 5] and onward["max_tokens"] == 7
+    assert onward["min_tokens"] == 1 and onward["cache_salt"] == "s"
+    assert "kv_transfer_params" not in onward and "truncate_prompt_tokens" not in onward
     assert dbody["prompt"] == "hello" and "kv_transfer_params" in dbody  # left as it was
-    no_max = {k: v for k, v in GREEDY.items() if k != "max_tokens"}
-    going = onward.continue_body(no_max, h, (1, 2, 3))
-    assert going is not None and "max_tokens" not in going  # vLLM's default: one fewer
-    # Without the prompt's ids, P's token id, or a token with text of its own: none.
-    assert onward.continue_body(GREEDY, h, ()) is None
+    no_max = head.continue_body({k: v for k, v in GREEDY.items() if k != "max_tokens"}, h)
+    assert no_max is not None and "max_tokens" not in no_max  # vLLM's default: one fewer
+    # Without P's ids, or with a token that has no text of its own: computed again.
     bare = head.from_answer(text_event(" the", "length") + DONE, chat=False)
-    assert bare is not None and onward.continue_body(GREEDY, bare, (1, 2)) is None
-    empty = with_logprobs(text_event("", "length"), ["token_id:7"]) + DONE
-    got = head.from_answer(empty, chat=False, id_in_logprobs=True)
-    assert got is not None and got.p_token == (7,) and not onward.may_continue(GREEDY, got)
-    assert onward.continue_body(GREEDY, got, (1,)) is None
-
-
-def test_ids_of_the_wrong_type_in_ps_answer_are_not_taken() -> None:
-    """A client that asked for ids gets P's ids from P's event: of the wrong type (not a
-    list of ints, or a bool), none are taken."""
-    bad: list[Any] = [[1, "2"], {"a": 1}, [True], [1, 2.0], [1, False], [1, None], [[1]]]
-    for wrong in bad:
-        odd = with_prompt_ids(text_event(" the", "length", [5]), wrong)
-        got = head.from_answer(odd + DONE, chat=False)
-        assert got is not None and got.p_prompt == () and got.p_token == (5,), wrong
-    for wrong in [*bad, [5.0]]:
-        odd = with_prompt_ids(text_event(" the", "length", wrong), [1, 2])
-        got = head.from_answer(odd + DONE, chat=False)
-        assert got is not None and got.p_token == () and not onward.may_continue(GREEDY, got)
-    two = with_prompt_ids(text_event(" the", "length", [5, 6]), [1, 2])  # not one token
-    got = head.from_answer(two + DONE, chat=False)
-    assert got is not None and not onward.may_continue(GREEDY, got)
+    assert bare is not None and head.continue_body(GREEDY, bare) is None
+    empty = head.from_answer(with_prompt_ids(text_event("", "length", [7]), [1]) + DONE, False)
+    assert empty is not None and head.continue_body(GREEDY, empty) is None
+    # Ids of the wrong type in P's answer (not a list of ints, or a bool): none taken.
+    wrong: list[tuple[Any, Any]] = [([1, "2"], [5]), ({"a": 1}, [5]), ([1], [True]), ([1], [5, 6])]
+    wrong += [([1, 2.0], [5]), ([1, False], [5]), ([1, None], [5]), ([[1]], [5]), ([1], [5.0])]
+    for bad_prompt, bad_token in wrong:
+        odd = with_prompt_ids(text_event(" the", "length", bad_token), bad_prompt)
+        got = head.from_answer(odd + DONE, chat=False, hide_ids=True)
+        assert got is not None and head.continue_body(GREEDY, got) is None, (bad_prompt, bad_token)
 
 
 def test_a_continuations_usage_counts_ps_token_as_written() -> None:
@@ -704,217 +595,54 @@ def test_a_continuations_usage_counts_ps_token_as_written() -> None:
     assert out == want_first + text_event(".", "length", [2]) + want_usage + DONE
 
 
-TOKENS = {"count": 3, "max_model_len": 512, "tokens": [7, 8, 9], "token_strs": None}
-
-
-def prefiller(seen: dict[str, Any], tokenize: Any = None) -> web.Application:
-    """A prefiller streaming one token (" the", id 5) as vLLM answers P's leg: the id as
-    the logprobs entry when asked that way, with the prompt's ids (11, 12) when asked for
-    ids. Its /tokenize answers with `tokenize` (a handler; default: ids 7, 8, 9). What it
-    got: seen["p"], and seen["tokenize"] (a list)."""
-    seen["tokenize"] = []
+def streams_one_token_with_ids(seen: dict[str, Any]) -> Any:
+    """A prefill server that streams P's token with the ids its leg asked for."""
 
     async def prefill(request: web.Request) -> web.StreamResponse:
-        body = seen["p"] = await request.json()
-        event = text_event(" the", "length")
-        if body.get("return_token_ids") is True:
-            event = with_prompt_ids(text_event(" the", "length", [5]), [11, 12])
-        elif body.get("logprobs") == 0 and body.get("return_tokens_as_token_ids") is True:
-            event = with_logprobs(event, ["token_id:5"])
+        seen["p"] = await request.json()
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
+        event = with_prompt_ids(text_event(" the", "length", [5]), [1, 2, 3])
         await resp.write(event + DONE)
         return resp
 
-    async def tokenized(request: web.Request) -> web.StreamResponse:
-        seen["tokenize"].append(await request.json())
-        if tokenize is not None:
-            return await tokenize(request)
-        return web.json_response(TOKENS)
-
-    app = stub(prefill)
-    app.router.add_post("/tokenize", tokenized)
-    return app
+    return prefill
 
 
-def texts(events: list[bytes]) -> list[str]:
-    return [json.loads(e[6:])["choices"][0]["text"] for e in events if e != DONE]
-
-
-@pytest.mark.parametrize(
-    ("change", "want"),
-    [
-        ({}, [7, 8, 9, 5]),  # a text prompt: its ids from P's /tokenize
-        ({"prompt": ["hello"]}, [7, 8, 9, 5]),
-        ({"add_special_tokens": False}, [7, 8, 9, 5]),
-        ({"prompt": [1, 2, 3]}, [1, 2, 3, 5]),  # token ids: those, as they are
-        ({"prompt": [[1, 2, 3]]}, [1, 2, 3, 5]),
-        ({"prompt": [4]}, [4, 5]),
-    ],
-)
-def test_a_differing_first_token_from_d_makes_d_go_on_from_ps_token(
-    change: dict[str, Any], want: list[int]
-) -> None:
-    """P's leg asks for P's token id alone. When D's first token differs, D is asked to go
-    on from P's token (the prompt's ids and P's token, one token fewer), and its answer,
-    whose first token is the second, follows the client's first; the client sees no
-    logprobs it did not ask for."""
+def test_a_differing_first_token_from_d_makes_d_go_on_from_ps_token() -> None:
+    """With P's ids, D is asked to go on from P's token (the prompt's ids and P's token,
+    one token fewer), and its answer, whose first token is the second, follows the
+    client's first; the client never sees an id it did not ask for."""
     seen: list[dict[str, Any]] = []
     p_seen: dict[str, Any] = {}
     decode, has_first = answers_twice((" a", " dog"), seen)
-    body = {**GREEDY, **change}
-    events, metrics = client_events(prefiller(p_seen), decode, has_first, body)
-    assert p_seen["p"]["logprobs"] == 0 and p_seen["p"]["return_tokens_as_token_ids"] is True
-    assert "return_token_ids" not in p_seen["p"]
+    events, metrics = client_events(streams_one_token_with_ids(p_seen), decode, has_first)
+    assert p_seen["p"]["return_token_ids"] is True
     first = json.loads(events[0][6:])["choices"][0]
-    assert first["text"] == " the" and first["logprobs"] is None
+    assert first["text"] == " the" and first["token_ids"] is None
+    assert first["prompt_token_ids"] is None
     # D's second answer (stub) writes " dog", " dog", "."; all of it follows P's token.
-    assert texts(events) == [" the", " dog", " dog", "."] and events[-1] == DONE
-    assert len(seen) == 2 and seen[1]["prompt"] == want
+    assert [json.loads(e[6:])["choices"][0]["text"] for e in events[1:-1]] == [" dog", " dog", "."]
+    assert events[-1] == DONE
+    assert len(seen) == 2 and seen[1]["prompt"] == [1, 2, 3, 5]
     assert seen[1]["max_tokens"] == GREEDY["max_tokens"] - 1
     assert "kv_transfer_params" not in seen[1] and "cache_salt" not in seen[1]
     assert b"kvpush_router_first_token_mismatch_total 1.0" in metrics
-    if isinstance(body["prompt"], str) or isinstance(body["prompt"][0], str):
-        special = body.get("add_special_tokens", True)
-        asked = {"model": "m", "prompt": "hello", "add_special_tokens": special}
-        assert p_seen["tokenize"] == [asked]
-    else:
-        assert p_seen["tokenize"] == []
-
-
-def test_a_client_that_asked_for_ids_has_d_go_on_from_the_ids_in_ps_answer() -> None:
-    seen: list[dict[str, Any]] = []
-    p_seen: dict[str, Any] = {}
-    decode, has_first = answers_twice((" a", " dog"), seen)
-    body = {**GREEDY, "return_token_ids": True}
-    events, _ = client_events(prefiller(p_seen), decode, has_first, body)
-    assert p_seen["p"]["return_token_ids"] is True and "logprobs" not in p_seen["p"]
-    first = json.loads(events[0][6:])["choices"][0]
-    assert first["token_ids"] == [5] and first["prompt_token_ids"] == [11, 12]
-    assert texts(events) == [" the", " dog", " dog", "."]
-    assert len(seen) == 2 and seen[1]["prompt"] == [11, 12, 5]
-    assert p_seen["tokenize"] == []
-
-
-def answers(status: int, data: bytes) -> Any:
-    async def tokenize(request: web.Request) -> web.Response:
-        return web.Response(body=data, status=status, content_type="application/json")
-
-    return tokenize
-
-
-def tokens_json(**change: Any) -> bytes:
-    return json.dumps({**TOKENS, **change}).encode()
-
-
-async def never_answers(request: web.Request) -> web.Response:
-    await asyncio.Event().wait()  # until the router hangs up (the handler is cancelled)
-    raise AssertionError("unreachable")
-
-
-async def hangs_up(request: web.Request) -> web.Response:
-    assert request.transport is not None
-    request.transport.close()
-    return web.Response()
-
-
-DEEP = b"[" * 100_000 + b"]" * 100_000
-NO_IDS = {
-    "http_500": answers(500, tokens_json()),
-    "http_404": answers(404, b'{"error": {"message": "no such model", "code": 404}}'),
-    "not_json": answers(200, b"{not json"),
-    "not_an_object": answers(200, b"[7, 8, 9]"),
-    "no_tokens": answers(200, b'{"count": 0, "max_model_len": 512}'),
-    "empty": answers(200, tokens_json(tokens=[])),
-    "strings": answers(200, tokens_json(tokens=["7", "8"])),
-    "bools": answers(200, tokens_json(tokens=[True, 8])),
-    "floats": answers(200, tokens_json(tokens=[7.0, 8])),
-    "nested": answers(200, tokens_json(tokens=[[7, 8]])),
-    "deep": answers(200, b'{"max_model_len": 512, "tokens": ' + DEEP + b"}"),
-    "negative": answers(200, tokens_json(tokens=[7, -1])),
-    "past_int32": answers(200, tokens_json(tokens=[7, head.MAX_ID + 1])),
-    "longer_than_the_model": answers(200, tokens_json(tokens=[7] * 5, max_model_len=4)),
-    "no_model_length": answers(200, tokens_json(max_model_len=None)),
-    "bool_model_length": answers(200, tokens_json(max_model_len=True, tokens=[7])),
-    "over_the_byte_bound": answers(200, tokens_json(tokens=list(range(100)))),
-    "timeout": never_answers,
-    "hang_up": hangs_up,
-}
-
-
-@pytest.mark.parametrize("why", list(NO_IDS))
-def test_without_ids_from_tokenize_d_computes_the_request_again(
-    why: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
-    """P's /tokenize fails or answers what is not a prompt's ids: D is asked the whole
-    request again (`onward.again_body`), and the client's answer is right all the same."""
-    monkeypatch.setattr(onward, "_MAX_ANSWER", 200)  # (more than a good answer here)
-    monkeypatch.setattr(onward, "TOKENIZE_S", 0.2)
-    seen: list[dict[str, Any]] = []
-    p_seen: dict[str, Any] = {}
-    decode, has_first = answers_twice((" a", " the"), seen)
-    with caplog.at_level(logging.WARNING, "kvpush.router.app"):
-        events, _ = client_events(prefiller(p_seen, NO_IDS[why]), decode, has_first)
-    assert events == [text_event(" the"), text_event(" dog"), text_event(".", "length"), DONE]
-    assert len(p_seen["tokenize"]) == 1
-    assert len(seen) == 2 and seen[1]["prompt"] == "hello"
-    assert seen[1]["cache_salt"].startswith("kvpush-again-")
-    assert "no prompt ids to go on from P's token: /tokenize" in caplog.text
-
-
-def test_a_good_answer_fits_the_byte_bound_of_the_failure_cases(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """The bound `test_without_ids_from_tokenize_d_computes_the_request_again` sets lets
-    a good answer through: only the over-long one fails on it."""
-    monkeypatch.setattr(onward, "_MAX_ANSWER", 200)
-    seen: list[dict[str, Any]] = []
-    p_seen: dict[str, Any] = {}
-    decode, has_first = answers_twice((" a", " dog"), seen)
-    tokenize = answers(200, tokens_json(tokens=[7] * 40))
-    client_events(prefiller(p_seen, tokenize), decode, has_first)
-    assert len(seen) == 2 and seen[1]["prompt"] == [7] * 40 + [5]
-
-
-@pytest.mark.parametrize(
-    ("change", "why"),
-    [
-        ({"truncate_prompt_tokens": 3}, "truncate_prompt_tokens"),  # P cut the prompt
-        ({"prompt": [3], "truncate_prompt_tokens": 3}, "truncate_prompt_tokens"),
-        ({"frequency_penalty": 0.5}, None),  # no continuation: the ids are not looked for
-    ],
-)
-def test_a_prompt_whose_ids_are_not_looked_for_is_computed_again(
-    change: dict[str, Any], why: str | None, caplog: pytest.LogCaptureFixture
-) -> None:
-    seen: list[dict[str, Any]] = []
-    p_seen: dict[str, Any] = {}
-    decode, has_first = answers_twice((" a", " the"), seen)
-    body = {**GREEDY, **change}
-    with caplog.at_level(logging.WARNING, "kvpush.router.app"):
-        events, _ = client_events(prefiller(p_seen), decode, has_first, body)
-    assert texts(events) == [" the", " dog", "."]
-    assert p_seen["tokenize"] == []
-    assert len(seen) == 2 and seen[1]["prompt"] == body["prompt"]
-    assert seen[1]["cache_salt"].startswith("kvpush-again-")
-    assert (why is not None) == ("no prompt ids" in caplog.text)
-    assert why is None or why in caplog.text
 
 
 def test_penalties_on_written_tokens_keep_the_whole_prompt_compute() -> None:
     """Frequency and presence penalties (and bad words) count written tokens only: with
     P's token in D's prompt, D's next token could differ from a plain server's."""
-    answer = with_logprobs(text_event(" the", "length"), ["token_id:5"]) + DONE
-    h = head.from_answer(answer, chat=False, id_in_logprobs=True)
+    answer = with_prompt_ids(text_event(" the", "length", [5]), [1, 2, 3]) + DONE
+    h = head.from_answer(answer, chat=False, hide_ids=True)
     assert h is not None
-    assert onward.continue_body({**GREEDY, "presence_penalty": 0}, h, (1, 2, 3)) is not None
+    assert head.continue_body({**GREEDY, "presence_penalty": 0}, h) is not None
     for field, value in (
         ("frequency_penalty", 0.5),
         ("presence_penalty", -1),
         ("bad_words", ["x"]),
     ):
-        assert not onward.may_continue({**GREEDY, field: value}, h), field
-        assert onward.continue_body({**GREEDY, field: value}, h, (1, 2, 3)) is None, field
+        assert head.continue_body({**GREEDY, field: value}, h) is None, field
 
 
 def test_a_continuation_d_refuses_falls_back_to_the_whole_prompt() -> None:
@@ -936,7 +664,7 @@ def test_a_continuation_d_refuses_falls_back_to_the_whole_prompt() -> None:
             await resp.write(event)
         return resp
 
-    events, _ = client_events(prefiller({}), decode, client_has_first)
-    assert texts(events) == [" the", " dog", "."]
-    assert len(seen) == 3 and seen[1]["prompt"] == [7, 8, 9, 5]
+    events, _ = client_events(streams_one_token_with_ids({}), decode, client_has_first)
+    assert [json.loads(e[6:])["choices"][0]["text"] for e in events[:-1]] == [" the", " dog", "."]
+    assert len(seen) == 3 and isinstance(seen[1]["prompt"], list)
     assert seen[2]["prompt"] == GREEDY["prompt"] and seen[2]["cache_salt"].startswith("kvpush-")
