@@ -4,7 +4,7 @@ One plain server; for each prompt size, pairs of the same greedy one-token strea
 completion with and without `return_token_ids` (which puts the prompt's ids in the first
 event), in alternating order; the client's time to the first event of each. Prints one
 JSON object: per size the medians, the paired differences' median and mean, and the first
-event's bytes. A CPU prefill's noise is of the order of the effect: read the paired
+event's median bytes. A CPU prefill's noise is of the order of the effect: read the paired
 difference, not one sample.
 
     python scripts/first_event_probe.py [--rounds 16] [--sizes 256,2000]
@@ -19,8 +19,9 @@ import random
 import statistics
 import time
 
+from kvpush.deploy.demo import default_model_dir, ensure_model
 from kvpush.deploy.servers import ServerSpec, VllmServer, wait_healthy
-from kvpush.tiny_model import VOCAB_SIZE, make_tiny_model
+from kvpush.tiny_model import VOCAB_SIZE
 
 
 def first_event(port: int, model: str, ids: list[int], with_ids: bool) -> tuple[float, int]:
@@ -49,7 +50,7 @@ def main() -> None:
     p.add_argument("--sizes", default="256,2000", help="prompt sizes in tokens (model max 2048)")
     p.add_argument("--log-dir", default="/tmp/first_event_probe")
     args = p.parse_args()
-    model = make_tiny_model("/root/.cache/kvpush/tiny-model")
+    model = ensure_model(default_model_dir())  # the demo's tiny model
     spec = ServerSpec(name="plain", model=model, max_model_len=2048, log_dir=args.log_dir)
     spec.extra_args = ["--no-enable-prefix-caching"]
     server = VllmServer(spec)
@@ -70,7 +71,12 @@ def main() -> None:
                 "pairs": len(diff),
                 "median_ms": {"without": med(plain), "with": med(with_)},
                 "paired_diff_ms": {"median": med(diff), "mean": statistics.mean(diff)},
-                "first_event_bytes": {"without": got[False][-1][1], "with": got[True][-1][1]},
+                # The median: a first token's text can hold the prompt's undecodable bytes
+                # (vLLM's detokenizer), so one event's size says little.
+                "first_event_bytes": {
+                    "without": med(n for _, n in got[False]),
+                    "with": med(n for _, n in got[True]),
+                },
             }
     finally:
         server.stop()
