@@ -210,13 +210,14 @@ class KvpushPair(Pair):
     name = "kvpush"
     options: dict[str, Any] = {}  # kv_connector_extra_config keys (read only)
     decode_args: list[str] = []  # further vLLM flags for the decoder only (read only)
+    decode_env: dict[str, str] = {}  # further environment of the decoder only (read only)
 
     def _launch(self) -> list[Proc]:
         side, opts = free_port(), self.options
         p_config = kvpush_config("kv_producer", "prefill", side, **opts)
         self.p = self._server("prefill", p_config, 0, {})
         d_config = kvpush_config("kv_consumer", "decode", free_port(), **opts)
-        self.d = self._server("decode", d_config, 1, {}, self.decode_args)
+        self.d = self._server("decode", d_config, 1, dict(self.decode_env), self.decode_args)
         env = dict(self.spec.get("env", {}))
         self.router = RouterProc(self.p.url, self.d.url, f"127.0.0.1:{side}", self.log_dir, env=env)
         return [self.p, self.d, self.router]

@@ -84,6 +84,14 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         help="a contender kvpush@LABEL whose decoder gets these further vLLM flags (e.g. "
         "sync='--no-async-scheduling'); with a --variant of the same label, from that tree",
     )
+    p.add_argument(
+        "--decode-env",
+        action="append",
+        default=[],
+        metavar="LABEL=KEY=VALUE",
+        help="a contender kvpush@LABEL whose decoder's environment has KEY=VALUE too "
+        "(repeatable; e.g. an experiment's sitecustomize dir first on PYTHONPATH)",
+    )
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     args.d_args = {}  # label -> further vLLM flags of that variant's decoder
@@ -92,18 +100,34 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         if not (sep and label):
             p.error(f"--decode-args {v!r}: expected LABEL=FLAGS")
         args.d_args[label] = shlex.split(flags)
+    args.d_env = {}  # label -> further environment of that variant's decoder
+    for v in args.decode_env:
+        label, _, pair = v.partition("=")
+        key, sep, value = pair.partition("=")
+        if not (label and key and sep):
+            p.error(f"--decode-env {v!r}: expected LABEL=KEY=VALUE")
+        args.d_env.setdefault(label, {})[key] = value
     args.trees = variant_trees(args.variant, p.error)  # label -> source tree
     for cfg in args.configs.split(","):
         label = cfg.partition("@")[2] if cfg.startswith("kvpush@") else ""
-        if label and label not in args.trees and label not in args.d_args:
-            p.error(f"{cfg} in --configs: no --variant {label}=DIR or --decode-args {label}=...")
+        if label and not (label in args.trees or label in args.d_args or label in args.d_env):
+            p.error(
+                f"{cfg} in --configs: no --variant {label}=DIR, --decode-args {label}=... "
+                f"or --decode-env {label}=..."
+            )
     return args
 
 
 def _variant_label(args: argparse.Namespace, label: str) -> str:
     tree = args.trees.get(label)
     flags = " ".join(args.d_args.get(label, []))
-    return "kvpush" + (f" as in {tree}" if tree else "") + (f", decoder {flags}" if flags else "")
+    env = " ".join(f"{k}={v}" for k, v in args.d_env.get(label, {}).items())
+    return (
+        "kvpush"
+        + (f" as in {tree}" if tree else "")
+        + (f", decoder {flags}" if flags else "")
+        + (f", decoder's environment {env}" if env else "")
+    )
 
 
 def _ints(s: str) -> tuple[int, ...]:
@@ -138,6 +162,7 @@ def start_all(args: argparse.Namespace, model: str, configs: list[str]) -> dict[
                 env["KVPUSH_TRACE_DIR"] = str(out / "trace" / cfg)
             label = cfg.partition("@")[2]
             pair.decode_args = args.d_args.get(label, [])  # type: ignore[attr-defined]
+            pair.decode_env = args.d_env.get(label, {})  # type: ignore[attr-defined]
             if label in args.trees:
                 env.update(variant_env(args.trees[label]))
             pair.spec["env"] = env

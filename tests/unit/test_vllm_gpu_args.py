@@ -57,3 +57,35 @@ def test_decode_args_reach_only_the_decoders_command_line(
     pair.decode_args = ["--no-async-scheduling"]  # type: ignore[attr-defined]
     pair._launch()
     assert started == {"prefill": [], "decode": ["--no-async-scheduling"]}
+
+
+def test_decode_env_makes_a_variant_and_is_checked() -> None:
+    args = parse(
+        ["--out", "x", "--configs", "kvpush@w", "--decode-env", "w=A=1", "--decode-env", "w=B=x=y"]
+    )
+    assert args.d_env == {"w": {"A": "1", "B": "x=y"}}
+    for bad in ("w=A", "=A=1", "w==1"):
+        with pytest.raises(SystemExit) as e:
+            parse(["--out", "x", "--configs", "kvpush@w", "--decode-env", bad])
+        assert e.value.code == 2
+
+
+def test_decode_env_reaches_only_the_decoders_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import kvpush_bench.pairs as pairs
+    from kvpush.deploy.servers import ServerSpec
+
+    envs: dict[str, dict[str, str]] = {}
+
+    class FakeServer:
+        def __init__(self, spec: ServerSpec) -> None:
+            envs[spec.name] = dict(spec.env)
+            self.url = f"http://{spec.name}"
+
+    monkeypatch.setattr(pairs, "VllmServer", FakeServer)
+    monkeypatch.setattr(pairs, "RouterProc", lambda *a, **k: None)
+    pair = pairs.make_pair("kvpush@w", "MODEL", str(tmp_path), device="cpu", env={"S": "1"})
+    pair.decode_env = {"K": "v"}  # type: ignore[attr-defined]
+    pair._launch()
+    assert envs == {"prefill": {"S": "1"}, "decode": {"S": "1", "K": "v"}}
