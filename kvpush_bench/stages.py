@@ -35,6 +35,7 @@ STAGES = (
     "router.p_answer",  # P's whole answer reached the router (its engine's output path done)
     "router.first_chunk",  # D's first event reached the router
     "router.prepared",  # the router sent the client its headers (the event follows)
+    "router.d_piece",  # after P's head went out: D's first piece (its copy of that token)
     "PushTransfer.done",  # P saw its push end
     "sched.finished",  # a scheduler finished the request (P's first, then D's)
 )

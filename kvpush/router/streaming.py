@@ -154,6 +154,7 @@ async def _after_head(
     whose first token must be P's, goes on."""
     chat, timeout = call.chat, call.timeout
     upstream, piece = await tracking.watched(call.prefill, opening, REFUSAL_GRACE_S, call.p)
+    trace.mark("router.d_piece", call.tid)
     piece, differs = await _trimmed(upstream, piece, first, chat, timeout)
     if not differs:
         return await sse.pump(upstream, out, "decode", timeout, piece, client)
