@@ -92,6 +92,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         help="a contender kvpush@LABEL whose decoder's environment has KEY=VALUE too "
         "(repeatable; e.g. an experiment's sitecustomize dir first on PYTHONPATH)",
     )
+    p.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        metavar="LABEL=KEY=VALUE",
+        help="a contender kvpush@LABEL whose processes (P, D, router) have KEY=VALUE too",
+    )
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     args.d_args = {}  # label -> further vLLM flags of that variant's decoder
@@ -100,33 +107,42 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         if not (sep and label):
             p.error(f"--decode-args {v!r}: expected LABEL=FLAGS")
         args.d_args[label] = shlex.split(flags)
-    args.d_env = {}  # label -> further environment of that variant's decoder
-    for v in args.decode_env:
-        label, _, pair = v.partition("=")
-        key, sep, value = pair.partition("=")
-        if not (label and key and sep):
-            p.error(f"--decode-env {v!r}: expected LABEL=KEY=VALUE")
-        args.d_env.setdefault(label, {})[key] = value
+    args.d_env = _envs(args.decode_env, "--decode-env", p.error)  # that variant's decoder
+    args.env = _envs(args.env, "--env", p.error)  # that variant's P, D and router
     args.trees = variant_trees(args.variant, p.error)  # label -> source tree
     for cfg in args.configs.split(","):
         label = cfg.partition("@")[2] if cfg.startswith("kvpush@") else ""
-        if label and not (label in args.trees or label in args.d_args or label in args.d_env):
+        if label and not any(label in d for d in (args.trees, args.d_args, args.d_env, args.env)):
             p.error(
-                f"{cfg} in --configs: no --variant {label}=DIR, --decode-args {label}=... "
-                f"or --decode-env {label}=..."
+                f"{cfg} in --configs: no --variant {label}=DIR, --decode-args {label}=..., "
+                f"--decode-env {label}=... or --env {label}=..."
             )
     return args
+
+
+def _envs(values: list[str], flag: str, error: Any) -> dict[str, dict[str, str]]:
+    """LABEL=KEY=VALUE settings -> label -> environment."""
+    out: dict[str, dict[str, str]] = {}
+    for v in values:
+        label, _, pair = v.partition("=")
+        key, sep, value = pair.partition("=")
+        if not (label and key and sep):
+            error(f"{flag} {v!r}: expected LABEL=KEY=VALUE")
+        out.setdefault(label, {})[key] = value
+    return out
 
 
 def _variant_label(args: argparse.Namespace, label: str) -> str:
     tree = args.trees.get(label)
     flags = " ".join(args.d_args.get(label, []))
-    env = " ".join(f"{k}={v}" for k, v in args.d_env.get(label, {}).items())
+    d_env = " ".join(f"{k}={v}" for k, v in args.d_env.get(label, {}).items())
+    env = " ".join(f"{k}={v}" for k, v in args.env.get(label, {}).items())
     return (
         "kvpush"
         + (f" as in {tree}" if tree else "")
+        + (f", environment {env}" if env else "")
         + (f", decoder {flags}" if flags else "")
-        + (f", decoder's environment {env}" if env else "")
+        + (f", decoder's environment {d_env}" if d_env else "")
     )
 
 
@@ -165,6 +181,7 @@ def start_all(args: argparse.Namespace, model: str, configs: list[str]) -> dict[
             pair.decode_env = args.d_env.get(label, {})  # type: ignore[attr-defined]
             if label in args.trees:
                 env.update(variant_env(args.trees[label]))
+            env.update(args.env.get(label, {}))
             pair.spec["env"] = env
         pairs[cfg] = pair
     return start_pairs(pairs)

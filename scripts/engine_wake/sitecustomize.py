@@ -61,3 +61,10 @@ class _Patch(importlib.abc.MetaPathFinder):
 _idle = os.environ.get("KVPUSH_BENCH_ENGINE_IDLE_SLEEP")
 if _idle is not None:
     sys.meta_path.insert(0, _Patch(float(_idle)))
+# A thread that wakes (vLLM's output thread, say) waits for the GIL until the running thread
+# gives it up or this interval passes (CPython's default 5 ms): a shorter one tests whether
+# an output waits behind the engine thread's Python work.
+_switch = os.environ.get("KVPUSH_BENCH_SWITCH_INTERVAL")
+if _switch is not None:
+    sys.setswitchinterval(float(_switch))
+    print(f"[engine_wake] switch interval {_switch} s", file=sys.stderr, flush=True)

@@ -89,3 +89,11 @@ def test_decode_env_reaches_only_the_decoders_environment(
     pair.decode_env = {"K": "v"}  # type: ignore[attr-defined]
     pair._launch()
     assert envs == {"prefill": {"S": "1"}, "decode": {"S": "1", "K": "v"}}
+
+
+def test_env_makes_a_variant_and_is_checked() -> None:
+    args = parse(["--out", "x", "--configs", "kvpush@g", "--env", "g=K=1"])
+    assert args.env == {"g": {"K": "1"}} and args.d_env == {}
+    with pytest.raises(SystemExit) as e:
+        parse(["--out", "x", "--configs", "kvpush@g", "--env", "g=K"])
+    assert e.value.code == 2
