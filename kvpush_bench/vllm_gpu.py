@@ -340,7 +340,8 @@ def aggregate(
 
 
 def plot(result: dict[str, Any], path: str) -> None:
-    """TTFT p50 per prompt size, one panel per concurrency, a bar per contender."""
+    """TTFT p50 per prompt size, one panel per concurrency, a bar per contender; a second
+    row the same for the second token (streamed runs record it)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -350,21 +351,31 @@ def plot(result: dict[str, Any], path: str) -> None:
     concs = sorted({v["concurrency"] for v in cells.values()})
     sizes = sorted({v["size"] for v in cells.values()})
     configs = list(result["labels"])
-    fig, axes = plt.subplots(1, len(concs), figsize=(6 * len(concs), 4), squeeze=False)
+    rows = [("ttft_ms", "TTFT")]
+    if all(
+        cell[cfg].get("second_token_ms", {}).get("median")
+        for cell in cells.values()
+        for cfg in configs
+    ):
+        rows.append(("second_token_ms", "second token"))
+    fig, axes = plt.subplots(
+        len(rows), len(concs), figsize=(6 * len(concs), 4 * len(rows)), squeeze=False
+    )
     width = 0.8 / len(configs)
-    for ax, c in zip(axes[0], concs, strict=True):
-        for i, cfg in enumerate(configs):
-            meds = [cells[f"{s}tok_c{c}"][cfg]["ttft_ms"]["median"] or 0 for s in sizes]
-            p90s = [cells[f"{s}tok_c{c}"][cfg]["ttft_ms"]["p90"] or 0 for s in sizes]
-            xs = [j + i * width for j in range(len(sizes))]
-            ax.bar(xs, meds, width, label=cfg)
-            ax.scatter(xs, p90s, marker="_", color="black", s=80)
-        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(sizes))], [str(s) for s in sizes])
-        ax.set_xlabel("prompt tokens")
-        ax.set_ylabel("TTFT ms (bar p50, tick p90)")
-        ax.set_yscale("log")
-        ax.set_title(f"{c} request(s) at once")
-        ax.legend(fontsize=8)
+    for (key, what), line in zip(rows, axes, strict=True):
+        for ax, c in zip(line, concs, strict=True):
+            for i, cfg in enumerate(configs):
+                meds = [cells[f"{s}tok_c{c}"][cfg][key]["median"] or 0 for s in sizes]
+                p90s = [cells[f"{s}tok_c{c}"][cfg][key]["p90"] or 0 for s in sizes]
+                xs = [j + i * width for j in range(len(sizes))]
+                ax.bar(xs, meds, width, label=cfg)
+                ax.scatter(xs, p90s, marker="_", color="black", s=80)
+            ax.set_xticks([j + 0.4 - width / 2 for j in range(len(sizes))], [str(s) for s in sizes])
+            ax.set_xlabel("prompt tokens")
+            ax.set_ylabel(f"{what} ms (bar p50, tick p90)")
+            ax.set_yscale("log")
+            ax.set_title(f"{what}, {c} request(s) at once")
+            ax.legend(fontsize=8)
     fig.tight_layout()
     png.save(fig, path, dpi=110)
 
