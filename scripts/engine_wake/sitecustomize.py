@@ -5,8 +5,10 @@ requests (``_process_engine_step``: requests waiting for remote KV, for one), so
 whose requests all wait for KV steps about every 1.6 ms and sees a finished transfer at
 its next step. With this directory first on PYTHONPATH and KVPUSH_BENCH_ENGINE_IDLE_SLEEP
 set (seconds; 0 only yields the GIL), that sleep lasts so long instead: what the second
-token would gain if vLLM woke its engine when a transfer finished. It changes vLLM's
-behaviour, so it lives here for measurements, never in the product.
+token would gain if vLLM woke its engine when a transfer finished. With
+KVPUSH_BENCH_SWITCH_INTERVAL (seconds) the process's GIL switch interval is that instead of
+CPython's 5 ms. Both change vLLM's behaviour, so they live here for measurements, never in
+the product (kvpush_bench.vllm_gpu's --decode-env and --env set them for one contender).
 """
 
 from __future__ import annotations
