@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from kvpush.deploy.servers import ServerSpec
+from kvpush_bench.pairs import make_pair
 from kvpush_bench.vllm_gpu import parse
 
 
@@ -38,24 +41,30 @@ def test_decode_args_make_a_variant_of_this_tree() -> None:
     assert args.trees == {}
 
 
-def test_decode_args_reach_only_the_decoders_command_line(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def _launched(pair: Any, monkeypatch: pytest.MonkeyPatch) -> dict[str, ServerSpec]:
+    """The spec of each vLLM server ``pair`` starts (servers and router faked)."""
     import kvpush_bench.pairs as pairs
-    from kvpush.deploy.servers import ServerSpec
 
-    started: dict[str, list[str]] = {}
+    specs: dict[str, ServerSpec] = {}
 
     class FakeServer:
         def __init__(self, spec: ServerSpec) -> None:
-            started[spec.name] = list(spec.extra_args)
+            specs[spec.name] = spec
             self.url = f"http://{spec.name}"
 
     monkeypatch.setattr(pairs, "VllmServer", FakeServer)
     monkeypatch.setattr(pairs, "RouterProc", lambda *a, **k: None)
-    pair = pairs.make_pair("kvpush@sync", "MODEL", str(tmp_path), device="cpu")
-    pair.decode_args = ["--no-async-scheduling"]  # type: ignore[attr-defined]
     pair._launch()
+    return specs
+
+
+def test_decode_args_reach_only_the_decoders_command_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pair = make_pair("kvpush@sync", "MODEL", str(tmp_path), device="cpu")
+    pair.decode_args = ["--no-async-scheduling"]  # type: ignore[attr-defined]
+    specs = _launched(pair, monkeypatch)
+    started = {name: list(spec.extra_args) for name, spec in specs.items()}
     assert started == {"prefill": [], "decode": ["--no-async-scheduling"]}
 
 
@@ -73,21 +82,9 @@ def test_decode_env_makes_a_variant_and_is_checked() -> None:
 def test_decode_env_reaches_only_the_decoders_environment(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import kvpush_bench.pairs as pairs
-    from kvpush.deploy.servers import ServerSpec
-
-    envs: dict[str, dict[str, str]] = {}
-
-    class FakeServer:
-        def __init__(self, spec: ServerSpec) -> None:
-            envs[spec.name] = dict(spec.env)
-            self.url = f"http://{spec.name}"
-
-    monkeypatch.setattr(pairs, "VllmServer", FakeServer)
-    monkeypatch.setattr(pairs, "RouterProc", lambda *a, **k: None)
-    pair = pairs.make_pair("kvpush@w", "MODEL", str(tmp_path), device="cpu", env={"S": "1"})
+    pair = make_pair("kvpush@w", "MODEL", str(tmp_path), device="cpu", env={"S": "1"})
     pair.decode_env = {"K": "v"}  # type: ignore[attr-defined]
-    pair._launch()
+    envs = {name: dict(spec.env) for name, spec in _launched(pair, monkeypatch).items()}
     assert envs == {"prefill": {"S": "1"}, "decode": {"S": "1", "K": "v"}}
 
 
