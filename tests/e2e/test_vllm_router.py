@@ -53,6 +53,9 @@ class VllmRouter(Proc):
             argv += ["--prefill", url]
         argv += ["--decode", decode, "--prefill-policy", "round_robin"]
         argv += ["--health-check-interval-secs", "1", "--health-failure-threshold", "2"]
+        # Its metrics exporter would take 29000, inside free_port's range (20000-32000): a
+        # port handed to one of this run's servers would stop the router at start-up.
+        argv += ["--prometheus-port", str(free_port())]
         super().__init__("vllm-router", argv, dict(os.environ), Path(log_dir) / "vllm-router.log")
 
     @property
