@@ -21,7 +21,6 @@ request, so none is judged by it (no breaker moves).
 from __future__ import annotations
 
 import asyncio
-import json
 from typing import Any
 
 from aiohttp import web
@@ -130,11 +129,11 @@ def parse(request: web.Request, raw: bytes) -> Any:
     (400) for a body that nests deeper than `MAX_DEPTH`."""
     try:
         value = jsonbody.parse(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        return NOT_JSON
     except RecursionError:
         value = None
         deep = True
+    except ValueError:  # not JSON, not UTF-8, or an integer of over 4,300 digits
+        return NOT_JSON
     else:
         deep = too_deep(value, raw)
     if deep:

@@ -230,8 +230,8 @@ def affinity_key(body: dict[str, Any], chat: bool, chars: int) -> bytes | None:
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
         prompt = prompt[0]  # several prompts: the first one's beginning
-    if isinstance(prompt, str):
-        return prompt[:chars].encode()
+    if isinstance(prompt, str):  # (a lone surrogate is D's to refuse, as a plain server does)
+        return prompt[:chars].encode("utf-8", "surrogatepass")
     if isinstance(prompt, list) and prompt:
         return json.dumps(prompt[: max(1, chars // 10)]).encode()
     return None

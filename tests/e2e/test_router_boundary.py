@@ -173,6 +173,33 @@ def test_a_clients_kv_transfer_params_change_nothing(
     alive(c)
 
 
+# Bodies Python's json reads unlike most parsers (a red-team run, 2026-12-07): the router
+# answered 500 with a traceback where a plain server says 400.
+ODD_BODIES = {
+    # json refuses integers of over 4,300 digits (a ValueError, not a JSONDecodeError).
+    "huge_int": b'{"model": "M", "prompt": "hi", "max_tokens": 1' + b"0" * 5000 + b"}",
+    # A lone surrogate: a str Python cannot encode as UTF-8 (the router's affinity key).
+    "surrogate_prompt": b'{"model": "M", "prompt": "\\ud800", "max_tokens": 3}',
+    "surrogate_in_list": b'{"model": "M", "prompt": ["\\udfff x"], "max_tokens": 3}',
+    "surrogate_chat": b'{"model": "M", "messages": [{"role": "user", "content": "\\ud800"}]}',
+}
+
+
+@pytest.mark.parametrize("name", list(ODD_BODIES))
+def test_bodies_pythons_json_reads_oddly_get_the_plain_servers_answer(
+    env: dict[str, Any], name: str
+) -> None:
+    c: Cluster = env["cluster"]
+    body = ODD_BODIES[name].replace(b'"M"', json.dumps(env["model"]).encode())
+    path = "/v1/chat/completions" if b"messages" in body else "/v1/completions"
+    want_status, want, _ = call(env["plain"], path, body)
+    got_status, got, elapsed = call(c.router.url, path, body, timeout=30)
+    assert got_status == want_status and want_status < 500, (got_status, got, want)
+    assert elapsed < 10.0, f"{elapsed:.1f}s"
+    assert "Traceback" not in c.router.tail(200)
+    alive(c)
+
+
 # --- the fuzzer ----------------------------------------------------------------------------
 
 # Fields of vLLM 0.32's CompletionRequest / ChatCompletionRequest.
