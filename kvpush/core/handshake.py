@@ -1,4 +1,5 @@
-"""The handshake side channel: each worker serves its agent info over ZMQ.
+"""The handshake side channel: each worker serves its agent info over TCP, one
+length-prefixed message each way per round trip (core/frames.py).
 
 A peer fetches it (on the peer table's background pool, never on the ticking
 thread), checks compatibility, and the next tick then loads the NIXL metadata.
@@ -42,8 +43,8 @@ from collections.abc import Callable
 from typing import Annotated
 
 import msgspec
-import zmq
 
+from kvpush.core import frames
 from kvpush.core.errors import HandshakeError
 from kvpush.core.layout import KVLayout
 from kvpush.core.secret import Secret, as_secret
@@ -53,8 +54,7 @@ log = logging.getLogger(__name__)
 PROTOCOL_VERSION = 3
 MAX_INFO_BYTES = 64 << 20
 NONCE_BYTES = 32
-MAX_REQUEST_BYTES = 4096  # a request is ~200 bytes; larger ones are refused
-MAX_FRAME_BYTES = 1 << 20  # beyond this ZMQ drops the connection (nothing to answer)
+MAX_REQUEST_BYTES = 4096  # a request is ~200 bytes; larger ones are refused unread
 CHALLENGE_TTL_S = 10.0
 _STAMP = 8  # a challenge: its expiry (ms, big-endian), random bytes, the server's tag
 _TAG = 8
@@ -165,15 +165,9 @@ class SideChannelServer:
         # Fixed keys: other threads may copy these while the server counts.
         self.refused: dict[str, int] = dict.fromkeys(CAUSES, 0)
         self.served = 0
-        self._stop = threading.Event()
-        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
-        self._sock = self._ctx.socket(zmq.REP)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         try:
-            self._sock.bind(f"tcp://{host}:{port}")
-        except zmq.ZMQError as e:
-            self._sock.close()
+            sock = frames.listen(host, port)
+        except OSError as e:
             raise HandshakeError(f"cannot bind side channel {host}:{port}: {e}") from e
         if self._secret is None:
             log.warning(
@@ -186,49 +180,40 @@ class SideChannelServer:
             )
         elif len(self._secret) < 16:
             log.warning("the kvpush shared secret is shorter than 16 bytes: easy to guess")
-        self.running = True  # cleared as the thread exits; the worker checks it each step
-        self._thread = threading.Thread(target=self._run, name="kvpush-side-channel", daemon=True)
-        self._thread.start()
+        self._frames = frames.FrameServer(
+            sock, self._serve_one, self._oversized, MAX_REQUEST_BYTES, "kvpush-side-channel"
+        )
 
-    def _run(self) -> None:
+    @property
+    def running(self) -> bool:
+        """False once the serving thread has exited; the worker checks it each step."""
+        return self._frames.running
+
+    @property
+    def dropped(self) -> dict[str, int]:
+        """Connections the server closed, by cause: ``idle`` (nothing sent for
+        frames.IDLE_S), ``crowded`` (the one idle longest, for a new one)."""
+        return self._frames.closed
+
+    def counts(self) -> dict[str, int]:
+        """``handshake_refused_<cause>`` and ``handshake_dropped_<cause>`` (a snapshot's)."""
+        refused = {f"handshake_refused_{k}": v for k, v in self.refused.items()}
+        return refused | {f"handshake_dropped_{k}": v for k, v in self.dropped.items()}
+
+    def _serve_one(self, request: bytes) -> bytes:
         try:
-            self._serve()
-        except BaseException:  # no thread dies silently: the worker fails its next step
-            if not self._stop.is_set():
-                log.exception("kvpush side channel stopped")
-            raise
-        finally:
-            self.running = False
+            reply = self._answer(request)
+        except Exception:  # a bug answering one request must not stop the server
+            log.exception("side channel: answering a request failed")
+            reply = HandshakeReply(error="internal error")
+        return _encoder.encode(reply)
 
-    def _serve(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._sock, zmq.POLLIN)
-        while not self._stop.is_set():
-            if not poller.poll(100):
-                continue
-            try:
-                frames = self._sock.recv_multipart()
-            except zmq.ZMQError as e:
-                log.warning("side channel receive failed: %s", e)
-                continue
-            try:
-                reply = self._answer(frames)
-            except Exception:  # a bug answering one request must not stop the server
-                log.exception("side channel: answering a request failed")
-                reply = HandshakeReply(error="internal error")
-            try:
-                self._sock.send(_encoder.encode(reply))
-            except zmq.ZMQError as e:  # the asker went away; the next one is served
-                log.warning("side channel send failed: %s", e)
-        self._sock.close()
+    def _oversized(self, size: int) -> bytes:
+        return _encoder.encode(self._refuse("oversized", f"{size} bytes"))
 
-    def _answer(self, frames: list[bytes]) -> HandshakeReply:
-        if sum(len(f) for f in frames) > MAX_REQUEST_BYTES:
-            return self._refuse("oversized", f"{sum(len(f) for f in frames)} bytes")
-        if len(frames) != 1:
-            return self._refuse("malformed", f"{len(frames)} frames")
+    def _answer(self, request: bytes) -> HandshakeReply:
         try:
-            req = _request_decoder.decode(frames[0])
+            req = _request_decoder.decode(request)
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
             return self._refuse("malformed", str(e))
         who = f"engine {req.engine_id!r} agent {req.agent!r}"
@@ -294,8 +279,7 @@ class SideChannelServer:
         return HandshakeReply(error=_SHORT[cause])
 
     def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=2)
+        self._frames.close()
 
 
 def fetch_agent_info(
@@ -316,15 +300,12 @@ def fetch_agent_info(
     key = as_secret(secret)
     where = f"{host}:{port}"
     deadline = time.monotonic() + timeout_s
-    address = _resolve(host, port, where)
-    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
-    sock = ctx.socket(zmq.REQ)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.MAXMSGSIZE, MAX_INFO_BYTES)
+    family, sockaddr = _resolve(host, port, where)
     try:
-        if address.startswith("["):
-            sock.setsockopt(zmq.IPV6, 1)
-        sock.connect(f"tcp://{address}:{port}")
+        sock = frames.connect(sockaddr, family, deadline)
+    except frames.FrameError as e:
+        raise HandshakeError(f"handshake with {where}: {e}") from e
+    try:
         hello = HandshakeRequest(
             protocol_version=PROTOCOL_VERSION, engine_id=engine_id, agent=agent, step="hello"
         )
@@ -351,8 +332,6 @@ def fetch_agent_info(
             if not hmac.compare_digest(second.mac, want):
                 raise HandshakeError(f"{where} failed to prove the shared secret; not trusted")
             raw = _cipher(key, first.challenge, nonce, second.info)
-    except zmq.ZMQError as e:
-        raise HandshakeError(f"handshake with {where}: {e}") from e
     finally:
         sock.close()
     try:
@@ -365,10 +344,9 @@ def fetch_agent_info(
     return info
 
 
-def _resolve(host: str, port: int, where: str) -> str:
-    """``host`` as a numeric address, resolved here (a handshake pool thread): ZMQ would
-    resolve a name on its I/O thread, which the side-channel server shares, so a name
-    whose lookup hangs would stall every handshake of this process."""
+def _resolve(host: str, port: int, where: str) -> tuple[int, tuple[object, ...]]:
+    """``host`` as a numeric address (family and socket address), resolved here, on the
+    caller's thread (a handshake pool thread, never the engine's)."""
     bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host
     try:
         infos = socket.getaddrinfo(bare, port, type=socket.SOCK_STREAM)
@@ -376,20 +354,22 @@ def _resolve(host: str, port: int, where: str) -> str:
         raise HandshakeError(f"cannot resolve {where}: {e}") from e
     if not infos:
         raise HandshakeError(f"cannot resolve {where}: no address")
-    ip = str(infos[0][4][0])
-    return f"[{ip}]" if ":" in ip else ip
+    return int(infos[0][0]), tuple(infos[0][4])
 
 
 def _ask(
-    sock: zmq.Socket[bytes], req: HandshakeRequest, deadline: float, where: str, timeout_s: float
+    sock: socket.socket, req: HandshakeRequest, deadline: float, where: str, timeout_s: float
 ) -> HandshakeReply:
     """One round trip; raises HandshakeError for no answer in time, garbage or a refusal."""
-    sock.send(_encoder.encode(req))
-    left = deadline - time.monotonic()
-    if left <= 0 or not sock.poll(int(left * 1000)):
-        raise HandshakeError(f"no handshake answer from {where} in {timeout_s:.1f}s")
     try:
-        reply = _reply_decoder.decode(sock.recv())
+        frames.send(sock, _encoder.encode(req), deadline)
+        answer = frames.receive(sock, MAX_INFO_BYTES, deadline)
+    except frames.FrameError as e:
+        if str(e) == "out of time":
+            raise HandshakeError(f"no handshake answer from {where} in {timeout_s:.1f}s") from e
+        raise HandshakeError(f"handshake with {where}: {e}") from e
+    try:
+        reply = _reply_decoder.decode(answer)
     except (msgspec.DecodeError, msgspec.ValidationError) as e:
         raise HandshakeError(f"malformed handshake reply from {where}: {e}") from e
     if reply.error is not None:

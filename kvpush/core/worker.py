@@ -396,5 +396,5 @@ class PushWorker:
             "pending_registrations": len(self.producer.pending_regs),
             "writing": len(self.producer.sender.writing),
             "receiving": self.consumer.outstanding(),
-            **{f"handshake_refused_{k}": v for k, v in self._server.refused.items()},
+            **self._server.counts(),
         }

@@ -46,8 +46,8 @@ _handed_lock = threading.Lock()
 
 
 def free_port() -> int:
-    """A free port below the kernel's ephemeral range (32768+), so that a port vLLM or
-    ZMQ picks for itself later cannot collide with the one we hand out now; never one
+    """A free port below the kernel's ephemeral range (32768+), so that a port vLLM (or
+    its ZMQ) picks for itself later cannot collide with the one we hand out now; never one
     this process handed out before."""
     return free_ports(1)
 

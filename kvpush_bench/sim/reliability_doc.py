@@ -201,8 +201,20 @@ TRUST = [
     "`handshake_refused_replay` | push |",
     "| expired challenge | answers a challenge after its 10 s | a refusal | "
     "`handshake_refused_replay` | - |",
-    "| old protocol, garbage, several frames, over 4 KiB | sends it | a short refusal "
-    "(a version-1 client reads it as one) | `version`, `malformed`, `oversized` | - |",
+    "| old protocol, garbage | sends it | a short refusal "
+    "(a version-1 client reads it as one) | `version`, `malformed` | - |",
+    "| over 4 KiB | announces a longer request (up to 1 GiB) | a short refusal before any of "
+    "its bytes is read, then the connection closed | `oversized` | served |",
+    "| a request that never ends | sends part of one and goes quiet | nothing; the server "
+    "holds those bytes (4 KiB at most) until it closes the connection after 10 s | "
+    "`handshake_dropped_idle` | served |",
+    "| idle connections | opens 192 and sends nothing | the oldest closed for each new one "
+    "beyond 64 | `handshake_dropped_crowded` | served |",
+    "| requests without reading answers | sends hellos until its socket buffers fill | "
+    "one answer at a time; the server reads nothing more until it is taken | - | served |",
+    "| hostile server (to a client) | announces a 2 GiB answer, or 1 MiB and sends 10 bytes | "
+    "(the client) a failed handshake at once, or at its timeout, holding what it was sent "
+    "| - | - |",
     "| server without the proof | answers the info without a challenge, or a bad MAC | "
     "(the client) accepts nothing: the handshake fails | - | - |",
     "| forged notifications | a NIXL agent holding P's and D's metadata but no handshake sends "

@@ -1,4 +1,5 @@
-"""The side channel's mutual authentication over real ZMQ sockets, and stale lane files."""
+"""The side channel's mutual authentication over real TCP sockets, its transport's bounds
+against hostile connections, and stale lane files."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import logging
 import multiprocessing as mp
 import os
 import signal
+import socket
 import threading
 import time
 import uuid
@@ -15,14 +17,14 @@ from typing import Any
 
 import msgspec
 import pytest
-import zmq
 
+from kvpush.core import frames
 from kvpush.core import handshake as hs
 from kvpush.core.errors import HandshakeError
 from kvpush.core.handshake import AgentInfo, HandshakeReply, SideChannelServer, fetch_agent_info
 from kvpush.core.lane import LANE_DIR, CompletionLane, remove_stale_lanes
 from kvpush.core.layout import KVLayout, Region
-from tests.conftest import free_port
+from tests.conftest import free_port, wait_until
 
 SECRET = b"unit-test-secret-0123456789"
 META = b"NIXL-METADATA-" + os.urandom(48)  # markers to look for in what a client got
@@ -70,20 +72,18 @@ def server() -> Iterator[Callable[..., Server]]:
 
 
 class Raw:
-    """A client that sends whatever frames it is given and keeps every byte it gets."""
+    """A client that sends whatever request it is given and keeps every byte it gets."""
 
     def __init__(self, port: int) -> None:
-        self.sock = zmq.Context.instance().socket(zmq.REQ)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(f"tcp://127.0.0.1:{port}")
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=3)
         self.got = b""
         self.last = b""
         self.nonce = b""
 
-    def ask(self, *frames: bytes) -> HandshakeReply:
-        self.sock.send_multipart(list(frames))
-        assert self.sock.poll(3000), "no answer"
-        raw = self.last = self.sock.recv()
+    def ask(self, request: bytes) -> HandshakeReply:
+        deadline = time.monotonic() + 3
+        frames.send(self.sock, request, deadline)
+        raw = self.last = frames.receive(self.sock, hs.MAX_INFO_BYTES, deadline)
         self.got += raw
         return msgspec.msgpack.decode(raw, type=HandshakeReply)
 
@@ -192,22 +192,21 @@ def test_a_flood_of_hellos_neither_evicts_an_honest_challenge_nor_grows_memory(
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
-def test_a_side_channel_thread_that_died_is_noticed(server: Callable[..., Server]) -> None:
+def test_a_side_channel_thread_that_died_is_noticed(
+    server: Callable[..., Server], caplog: pytest.LogCaptureFixture
+) -> None:
     s = server()
 
-    def broken() -> None:
+    def broken(request: bytes) -> bytes:
         raise RuntimeError("injected")
 
-    s.srv._stop.set()  # the serving thread exits at its next poll
-    s.srv._thread.join(timeout=2)
-    assert s.srv.running is False  # cleared even on a clean exit
-    s.srv._stop.clear()
-    s.srv._serve = broken  # type: ignore[method-assign]
-    t = threading.Thread(target=s.srv._run)
-    s.srv.running = True
-    t.start()
-    t.join(timeout=2)
-    assert s.srv.running is False  # the worker's _check_alive raises on it
+    s.srv._frames._answer = broken  # a bug below the server's own guard
+    with pytest.raises(HandshakeError):
+        s.fetch()
+    wait_until(lambda: not s.srv.running, 2, what="the thread to exit")
+    assert "kvpush-side-channel stopped" in caplog.text  # not silently
+    with pytest.raises(HandshakeError):  # and nobody is served any more
+        s.fetch()
 
 
 def test_garbage_oversized_and_old_versions_get_a_short_refusal(
@@ -217,21 +216,15 @@ def test_garbage_oversized_and_old_versions_get_a_short_refusal(
     raw = Raw(s.port)
     v1 = enc.encode({"protocol_version": 1, "engine_id": "old", "nonce": os.urandom(16)})
     cases = [
-        ((b"\x00\xffgarbage",), "malformed"),
-        ((b"a", b"b"), "malformed"),
-        ((b"x" * (64 << 10),), "oversized"),
-        ((v1,), "version"),
-        ((enc.encode({"protocol_version": hs.PROTOCOL_VERSION, "engine_id": "x"}),), "malformed"),
+        (b"\x00\xffgarbage", "malformed"),
+        ((v1), "version"),
+        (enc.encode({"protocol_version": hs.PROTOCOL_VERSION, "engine_id": "x"}), "malformed"),
     ]
-    for frames, cause in cases:
-        reply = raw.ask(*frames)
+    for request, cause in cases:
+        reply = raw.ask(request)
         assert reply.info is None and reply.error == hs._SHORT[cause], (cause, reply)
     assert not raw.leaked()
-    assert {k: v for k, v in s.srv.refused.items() if v} == {
-        "malformed": 3,
-        "oversized": 1,
-        "version": 1,
-    }
+    assert {k: v for k, v in s.srv.refused.items() if v} == {"malformed": 2, "version": 1}
     raw.ask(v1)  # a version-1 client reads the refusal as one (its reply had these fields)
     old = msgspec.msgpack.decode(raw.last, type=V1Reply)
     assert (
@@ -253,17 +246,22 @@ Answer = HandshakeReply | Callable[[hs.HandshakeRequest], HandshakeReply]
 def fake_server(answers: list[Answer]) -> tuple[int, threading.Thread]:
     """A side channel that answers each request with the next of ``answers`` (a reply, or
     a function of the request)."""
-    port = free_port()
-    sock = zmq.Context.instance().socket(zmq.REP)
-    sock.bind(f"tcp://127.0.0.1:{port}")
+    listener = frames.listen("127.0.0.1", 0)
+    listener.setblocking(True)
+    listener.settimeout(3)
+    port = listener.getsockname()[1]
 
     def serve() -> None:
-        for answer in answers:
-            if not sock.poll(3000):
-                break
-            req = msgspec.msgpack.decode(sock.recv(), type=hs.HandshakeRequest)
-            sock.send(enc.encode(answer if isinstance(answer, HandshakeReply) else answer(req)))
-        sock.close(linger=0)
+        with listener, listener.accept()[0] as sock:
+            for answer in answers:
+                deadline = time.monotonic() + 3
+                try:
+                    raw = frames.receive(sock, hs.MAX_REQUEST_BYTES, deadline)
+                except frames.FrameError:
+                    break
+                req = msgspec.msgpack.decode(raw, type=hs.HandshakeRequest)
+                reply = answer if isinstance(answer, HandshakeReply) else answer(req)
+                frames.send(sock, enc.encode(reply), deadline)
 
     t = threading.Thread(target=serve, daemon=True)
     t.start()
@@ -392,3 +390,120 @@ def test_a_lane_is_never_seen_unlocked_under_its_name(
     finally:
         lane.close()
     assert not os.path.exists(lane.path)
+
+
+# ---- the transport's bounds (core/frames.py): what a hostile connection can hold --------------
+
+
+def _closed(sock: socket.socket) -> bool:
+    """Whether the server closed ``sock`` (it reads end of stream, or a reset)."""
+    sock.settimeout(0.05)
+    try:
+        return sock.recv(1 << 16) == b""
+    except TimeoutError:
+        return False
+    except ConnectionResetError:
+        return True
+
+
+def test_an_oversized_length_is_refused_unread_and_the_connection_closed(
+    server: Callable[..., Server],
+) -> None:
+    s = server()
+    with socket.create_connection(("127.0.0.1", s.port), timeout=3) as sock:
+        sock.sendall((1 << 30).to_bytes(frames.HEADER, "big"))  # announces 1 GiB, sends none
+        reply = msgspec.msgpack.decode(frames.receive(sock, 1 << 20, time.monotonic() + 3))
+        assert reply["error"] == hs._SHORT["oversized"] and reply["info"] is None
+        wait_until(lambda: _closed(sock), 3, what="the server to close the connection")
+    assert s.srv.refused["oversized"] == 1
+    assert s.fetch().nixl_metadata == META
+
+
+def test_a_request_that_never_ends_holds_one_request_of_memory_until_it_is_dropped() -> None:
+    """Before, ZMQ buffered an unfinished multi-part message without bound (1 GiB from one
+    connection in a red-team run). Now a connection holds at most one request's bytes, and
+    one that goes quiet is closed."""
+    seen: list[bytes] = []
+    srv = frames.FrameServer(
+        frames.listen("127.0.0.1", 0), seen.append, lambda n: b"", 4096, "t-frames", idle_s=0.5
+    )
+    port = srv._listener.getsockname()[1]
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=3) as sock:
+            sock.sendall((4096).to_bytes(frames.HEADER, "big") + b"x" * 4000)  # 96 short
+            wait_until(
+                lambda: srv._conns and len(next(iter(srv._conns.values())).inbuf) == 4004,
+                3,
+                what="the server to read what was sent",
+            )
+            wait_until(lambda: _closed(sock), 3, what="the quiet connection to be closed")
+        assert srv.closed["idle"] == 1 and not srv._conns and not seen
+    finally:
+        srv.close()
+
+
+def test_a_flood_of_idle_connections_holds_a_bounded_number_and_honest_peers_get_in(
+    server: Callable[..., Server],
+) -> None:
+    """Before, every idle connection stayed open: 20,000 of them took all of P's file
+    descriptors and every handshake (so every request through the router) failed."""
+    s = server()
+    flood = [socket.create_connection(("127.0.0.1", s.port)) for _ in range(3 * frames.MAX_CONNS)]
+    try:
+        info = s.fetch()  # the newest connection: the flood's oldest made room for it
+        assert info.nixl_metadata == META
+        assert len(s.srv._frames._conns) <= frames.MAX_CONNS
+        assert s.srv.dropped["crowded"] >= 2 * frames.MAX_CONNS
+    finally:
+        for sock in flood:
+            sock.close()
+
+
+def test_a_client_that_sends_requests_without_reading_answers_gets_one_at_a_time(
+    server: Callable[..., Server],
+) -> None:
+    s = server()
+    hello = frames.frame(
+        enc.encode(hs.HandshakeRequest(protocol_version=hs.PROTOCOL_VERSION, engine_id="R"))
+    )
+    with socket.create_connection(("127.0.0.1", s.port), timeout=3) as sock:
+        sock.setblocking(False)
+        sent = 0
+        try:
+            for _ in range(
+                200_000
+            ):  # until the socket buffers are full: the server stopped reading
+                sent += sock.send(hello)
+        except BlockingIOError:
+            pass
+        conn = next(iter(s.srv._frames._conns.values()))
+        # The server stops reading once an answer cannot go out (the client reads none).
+        wait_until(lambda: conn.out is not None, 3, what="an answer to wait for the client")
+        assert sent > 100 * len(hello) and len(conn.inbuf) <= len(hello)
+    assert s.fetch().nixl_metadata == META
+
+
+def test_the_client_bounds_what_a_hostile_server_can_make_it_hold() -> None:
+    """D handshakes with the P a request names: a P that announces a huge answer, or a
+    large one it never sends, fails that handshake alone, within its timeout."""
+    for announced, why in [(1 << 31, "an answer of"), (1 << 20, "no handshake answer")]:
+        listener = frames.listen("127.0.0.1", 0)
+        listener.setblocking(True)
+        port = listener.getsockname()[1]
+
+        def serve(listener: socket.socket = listener, announced: int = announced) -> None:
+            with listener, listener.accept()[0] as sock:
+                frames.receive(sock, hs.MAX_REQUEST_BYTES, time.monotonic() + 3)
+                sock.sendall(announced.to_bytes(frames.HEADER, "big") + b"x" * 10)
+                try:
+                    sock.recv(1)  # until the client leaves
+                except OSError:
+                    pass
+
+        t = threading.Thread(target=serve, daemon=True)
+        t.start()
+        start = time.monotonic()
+        with pytest.raises(HandshakeError, match=why):
+            fetch_agent_info("127.0.0.1", port, "D", 1.0)
+        assert time.monotonic() - start < 2.0
+        t.join(3)

@@ -491,7 +491,7 @@ def test_a_dead_side_channel_fails_the_engines_next_step(
     pair_factory: Callable[..., Pair],
 ) -> None:
     w = pair_factory().d.worker
-    w._server.running = False  # as its thread leaves it (handshake.SideChannelServer._run)
+    w._server._frames.running = False  # as its thread leaves it (frames.FrameServer._run)
     with pytest.raises(KVPushError, match="side channel thread is not running"):
         w.start_step(StepMeta(cancels=["x"]))
 
