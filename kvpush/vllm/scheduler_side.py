@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import re
+import secrets
 from typing import Any
 
 from kvpush.core import trace
@@ -23,7 +24,10 @@ from kvpush.vllm.params import MAX_ID_CHARS, check_recv_params
 log = logging.getLogger(__name__)
 
 # A mark in the request's own params: its blocks are registered (the engine calls
-# update_state_after_alloc again once the KV has arrived).
+# update_state_after_alloc again once the KV has arrived, and after a preemption). Its
+# value is a random token of this process (`SchedulerSide._mark`), never sent anywhere: a
+# client may put the key in the params it sends straight to D, but not the value, so it
+# cannot have its params taken as registered and left unchecked.
 _REGISTERED = "_kvpush_registered"
 # vLLM's id of prompt i of a client request (completions: always; chat: with several).
 _PROMPT_INDEX = re.compile(r"(?:cmpl-.*-|chatcmpl-.*_)(\d+)$")
@@ -158,6 +162,7 @@ class SchedulerSide:
         self._new_p: dict[str, Any] = {}
         self._traced: dict[str, str | None] = {}  # D, tracing: request id -> transfer id
         self._forwarded: dict[str, str | None] = {}  # D, tracing: first forward scheduled
+        self._mark = secrets.token_hex(16)  # the value of _REGISTERED
 
     # ---- D ---------------------------------------------------------------------------------
 
@@ -165,7 +170,7 @@ class SchedulerSide:
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int, bool]:
         params = _params(request)
-        if not (self.is_consumer and params.get("do_remote_prefill")) or params.get(_REGISTERED):
+        if not (self.is_consumer and params.get("do_remote_prefill")) or self._marked(params):
             return 0, False
         count = len(getattr(request, "prompt_token_ids", None) or ()) - num_computed_tokens
         if trace.ON:
@@ -188,22 +193,19 @@ class SchedulerSide:
             if trace.ON:
                 trace.mark("p_sched.alloc", p_key(request.request_id, params), request.request_id)
             self._new_p[request.request_id] = request
-        if (
-            num_external_tokens <= 0
-            or not params.get("do_remote_prefill")
-            or params.get(_REGISTERED)
-        ):
+        if num_external_tokens <= 0 or not params.get("do_remote_prefill") or self._marked(params):
             return
-        params[_REGISTERED] = True
         rid = request.request_id
         # P sends the blocks holding the external tokens: the last ones D allocated.
         need = -(-num_external_tokens // block_size)
         groups = [list(g[-need:]) if need else [] for g in block_groups]
-        try:
+        try:  # (checked before the mark goes in: the check reads every key)
             reg = registration(rid, params, groups, prompt_print(request), self.opts.trusted_p)
         except (KeyError, TypeError, ValueError) as e:
+            params[_REGISTERED] = self._mark
             self.sched.reject(rid, f"invalid kv_transfer_params: {e}")
             return
+        params[_REGISTERED] = self._mark
         self.sched.add_registration(reg)
         if trace.ON:
             trace.mark("d_sched.alloc", reg.transfer_id, rid)
@@ -287,7 +289,7 @@ class SchedulerSide:
         if trace.ON:
             trace.mark("sched.finished", transfer_key(rid, params.get("transfer_id")), rid)
         if self.is_consumer and params.get("do_remote_prefill"):
-            if not params.get(_REGISTERED):
+            if not self._marked(params):
                 self._withdraw(rid, params)
                 return False, None
             # Still waiting for P's WRITE? Then keep the blocks until P cannot touch them.
@@ -321,14 +323,19 @@ class SchedulerSide:
             "pp_size": self.pp_size,
         }
 
+    def _marked(self, params: dict[str, Any]) -> bool:
+        return params.get(_REGISTERED) == self._mark
+
     def _withdraw(self, rid: str, params: dict[str, Any]) -> None:
         """Aborted before its blocks were allocated (e.g. the client left while it queued):
         no WRITE can come, and P would keep the prompt's blocks until its lease ran out."""
-        params[_REGISTERED] = True  # once
         try:
-            self.sched.withdraw(registration(rid, params, [], trusted=self.opts.trusted_p))
+            reg = registration(rid, params, [], trusted=self.opts.trusted_p)
         except (KeyError, TypeError, ValueError):
-            pass  # no side channel named: nothing to tell (P's lease frees what it holds)
+            reg = None  # no side channel named: nothing to tell (P's lease frees what it holds)
+        params[_REGISTERED] = self._mark  # once
+        if reg is not None:
+            self.sched.withdraw(reg)
 
     def update(self, sending: set[str], recving: set[str], worker_meta: Any) -> None:
         """Apply one step's aggregated worker output."""

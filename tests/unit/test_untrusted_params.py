@@ -130,6 +130,22 @@ def test_a_bad_leg_fails_that_request_alone_and_at_once(extra: dict[str, Any], w
     assert [r.request_id for r in meta.registrations] == [good.request_id]
 
 
+def test_a_client_cannot_mark_its_params_as_registered() -> None:
+    """The connector once kept "registered" as a key in the request's own params, which a
+    client sending straight to D could set (red-team run, 2026-12-07): its params then went
+    unchecked. Now the mark's value is D's own secret token: such a leg is checked, and
+    refused, like any other."""
+    d = decoder()
+    bad = Req("cmpl-mark-0-00000000", {**GOOD, "remote_port": "9", "_kvpush_registered": True})
+    assert d.get_num_new_matched_tokens(bad, 0) == (40, True)
+    d.update_state_after_alloc(bad, ([1, 2, 3],), 40, block_size=16)
+    assert list(d.sched.build_meta().rejected) == [bad.request_id]
+    # D's own mark still holds: the calls after the KV came change nothing.
+    assert d.get_num_new_matched_tokens(bad, 40) == (0, False)
+    d.update_state_after_alloc(bad, ([1, 2, 3],), 40, block_size=16)
+    assert not d.sched.build_meta().rejected
+
+
 def test_checking_is_linear_in_what_it_looks_at() -> None:
     huge: list[dict[str, Any]] = [
         {f"k{i}": i for i in range(1_000_000)},
