@@ -121,9 +121,9 @@ def listen(host: str, port: int) -> socket.socket:
     """A listening socket on ``host`` (an address or a name; "*" or "" for every IPv4
     interface) and ``port``; raises OSError."""
     bind = "0.0.0.0" if host in ("*", "") else host.strip("[]")
-    family, _, _, _, addr = socket.getaddrinfo(
-        bind, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-    )[0]
+    infos = socket.getaddrinfo(bind, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    # A name with both families binds IPv4, as ZMQ (before) did: peers are given addresses.
+    family, _, _, _, addr = next((i for i in infos if i[0] == socket.AF_INET), infos[0])
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -507,3 +507,21 @@ def test_the_client_bounds_what_a_hostile_server_can_make_it_hold() -> None:
             fetch_agent_info("127.0.0.1", port, "D", 1.0)
         assert time.monotonic() - start < 2.0
         t.join(3)
+
+
+def test_the_side_channel_binds_the_addresses_zmq_took() -> None:
+    """ "*" (every interface) and a name bind IPv4, as the ZMQ transport before did; an
+    IPv6 address, bracketed or not, binds IPv6; a host that is no address fails at once."""
+    for host, family in [("*", socket.AF_INET), ("localhost", socket.AF_INET)]:
+        with frames.listen(host, 0) as sock:
+            assert sock.family == family, host
+    if socket.has_ipv6:
+        for host in ("::1", "[::1]"):
+            try:
+                sock = frames.listen(host, 0)
+            except OSError:
+                continue  # no IPv6 loopback on this machine
+            with sock:
+                assert sock.family == socket.AF_INET6
+    with pytest.raises(OSError):
+        frames.listen("no-such-host.invalid", 0)
