@@ -30,6 +30,7 @@ MAX_CONNS = 64
 IDLE_S = 10.0
 _RECV = 1 << 16
 _SEND = 1 << 20
+OUT_OF_TIME = "out of time"  # a FrameError's text when the deadline passed
 
 
 class FrameError(Exception):
@@ -93,7 +94,7 @@ def _exactly(sock: socket.socket, n: int, deadline: float) -> bytes:
 def _left(deadline: float) -> float:
     left = deadline - time.monotonic()
     if left <= 0:
-        raise FrameError("out of time")
+        raise FrameError(OUT_OF_TIME)
     return left
 
 
@@ -101,7 +102,7 @@ def _why(e: BaseException, what: str) -> str:
     if isinstance(e, FrameError):
         return str(e)
     if isinstance(e, TimeoutError):
-        return "out of time"
+        return OUT_OF_TIME
     return f"{what}: {e}"
 
 

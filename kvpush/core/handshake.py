@@ -304,7 +304,7 @@ def fetch_agent_info(
     try:
         sock = frames.connect(sockaddr, family, deadline)
     except frames.FrameError as e:
-        raise HandshakeError(f"handshake with {where}: {e}") from e
+        raise _failed(e, where, timeout_s) from e
     try:
         hello = HandshakeRequest(
             protocol_version=PROTOCOL_VERSION, engine_id=engine_id, agent=agent, step="hello"
@@ -357,6 +357,12 @@ def _resolve(host: str, port: int, where: str) -> tuple[int, tuple[object, ...]]
     return int(infos[0][0]), tuple(infos[0][4])
 
 
+def _failed(e: frames.FrameError, where: str, timeout_s: float) -> HandshakeError:
+    if str(e) == frames.OUT_OF_TIME:
+        return HandshakeError(f"no handshake answer from {where} in {timeout_s:.1f}s")
+    return HandshakeError(f"handshake with {where}: {e}")
+
+
 def _ask(
     sock: socket.socket, req: HandshakeRequest, deadline: float, where: str, timeout_s: float
 ) -> HandshakeReply:
@@ -365,9 +371,7 @@ def _ask(
         frames.send(sock, _encoder.encode(req), deadline)
         answer = frames.receive(sock, MAX_INFO_BYTES, deadline)
     except frames.FrameError as e:
-        if str(e) == "out of time":
-            raise HandshakeError(f"no handshake answer from {where} in {timeout_s:.1f}s") from e
-        raise HandshakeError(f"handshake with {where}: {e}") from e
+        raise _failed(e, where, timeout_s) from e
     try:
         reply = _reply_decoder.decode(answer)
     except (msgspec.DecodeError, msgspec.ValidationError) as e:
