@@ -6,7 +6,7 @@ thread), checks compatibility, and the next tick then loads the NIXL metadata.
 
 The info is what it takes to WRITE into this worker's KV memory (NIXL metadata)
 or to map it (CUDA IPC handles), so with a shared secret nothing of it leaves
-before both sides proved the secret, in two round trips (REQ/REP):
+before both sides proved the secret, in two round trips on one connection:
 
 1. client: ``hello``            server: a fresh challenge (32 bytes: its expiry,
                                 random bytes and the server's own MAC over both;
