@@ -19,6 +19,11 @@ nothing is refused this way.
 
 And the prompt check (``prompt_mismatch``): a registration whose prompt print (token count
 and digest) differs from the prompt P computed is refused before anything is written.
+
+And the budget (``room_for``): registrations waiting for P's blocks hold at most
+``MAX_PENDING_IDS`` of D's block ids, all decoders together; past it a registration is
+refused. Without a shared secret any NIXL agent that fetched P's info can register, and one
+sending 3 MB registrations for made-up transfers grew P by 3 GiB in 30 s (a red-team run).
 """
 
 from __future__ import annotations
@@ -47,6 +52,15 @@ STEPS_AHEAD = 16
 # saw no step begin for this long after a moment has seen every arrival before it.
 IDLE_S = 1.0
 MAX_ARRIVED = 1 << 20  # names of requests not yet handed over (a bound; refusals stop past it)
+# D's block ids in registrations waiting for P's blocks: 4M blocks of 16 tokens are 64M
+# prompt tokens in flight to one P rank, far beyond an honest deployment's; about 200 MB.
+MAX_PENDING_IDS = 1 << 22
+
+
+def worth_logging(count: int) -> bool:
+    """Log the first ten of a kind, then every thousandth: a flood must not flood the log
+    (its metric counts every one)."""
+    return count <= 10 or count % 1000 == 0
 
 
 def named(key: Key) -> str:
@@ -96,6 +110,25 @@ class Pairing:
         self.steps = 0
         self.in_step = False
         self.idle_since = time.monotonic()
+        self.pending_ids = 0  # D's ids in ``pending``: exact at each recount, above it between
+
+    # ---- the budget ----------------------------------------------------------------------
+
+    def room_for(self, reg: wire.PushReg) -> bool:
+        """Whether ``reg`` may wait for P's blocks; else it is refused."""
+        n = sum(len(g) for g in reg.local_block_ids)
+        if self.pending_ids + n > MAX_PENDING_IDS:
+            self.s.stats["reg_over_budget"] += 1
+            self.refuse(reg, f"{self.pending_ids} block ids already wait for prefills here")
+            return False
+        self.pending_ids += n
+        return True
+
+    def recount(self) -> None:
+        """The ids of the registrations still waiting (those that left are not subtracted
+        as they leave: each path that removes one would have to)."""
+        regs = (p.reg for group in self.pending.values() for p in group.regs.values())
+        self.pending_ids = sum(len(g) for reg in regs for g in reg.local_block_ids)
 
     # ---- before matching -----------------------------------------------------------------
 
@@ -244,7 +277,9 @@ class Pairing:
         """Fail a registration that can never pair here: D fails its request now, not at
         the registration's expiry (registration_ttl_s)."""
         self.s.stats["reg_unpairable"] += 1
-        log.warning("registration %s refused: %s", reg.request_id, why)
+        if worth_logging(self.s.stats["reg_unpairable"]):
+            n = self.s.stats["reg_unpairable"]
+            log.warning("registration %s refused (#%d): %s", reg.request_id, n, why)
         self._send_to(reg, self._fail(reg, f"cannot pair: {why}"))
 
     def _fail(self, reg: wire.PushReg, reason: str) -> wire.PushFail:

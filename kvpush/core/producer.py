@@ -24,7 +24,7 @@ from kvpush.core import trace, wire
 from kvpush.core.errors import HandshakeError, TransportError
 from kvpush.core.ids import Key, MatchTable, base_request_id
 from kvpush.core.layout import as_ids
-from kvpush.core.pairing import Pairing, prompt_mismatch, same_prompt
+from kvpush.core.pairing import Pairing, prompt_mismatch, same_prompt, worth_logging
 from kvpush.core.records import DKey, Flight, PendingGroup, PendingReg, PRequest, PushTransfer
 from kvpush.core.routing import p_targets
 from kvpush.core.sender import Sender
@@ -153,9 +153,9 @@ class Producer:
         except (HandshakeError, TransportError) as e:
             self.s.stats["handshake_failed"] += 1
             dropped = self.outbox.pop((host, port), [])
-            log.warning(
-                "push_handshake_failed %s:%d: %s (%d notices dropped)", host, port, e, len(dropped)
-            )
+            if worth_logging(n := self.s.stats["handshake_failed"]):
+                why = f"{e} ({len(dropped)} notices dropped, #{n})"
+                log.warning("push_handshake_failed %s:%d: %s", host, port, why)
             if t is not None and t.state not in ENDED:
                 transition(t, State.FAILED, t.name, "handshake with D failed")
                 self._finish(t)
@@ -192,7 +192,7 @@ class Producer:
             if preq.state is not State.STAGED:
                 self.staged.pop_value(preq)
             return
-        if self.pairing.refuse_ended(key, reg):
+        if self.pairing.refuse_ended(key, reg) or not self.pairing.room_for(reg):
             return
         if group is None:
             self.pending_regs.add(key, PendingGroup({rank: pend}))
@@ -277,6 +277,7 @@ class Producer:
             if not group.regs:
                 self.pending_regs.pop_value(group)
         self.pairing.refuse_unknown(now)
+        self.pairing.recount()
         self.gone = {k: until for k, until in self.gone.items() if until >= now}
         self.pairing.forget(now)
         held: dict[str, list[wire.HbEntry]] = defaultdict(list)

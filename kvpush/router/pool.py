@@ -30,6 +30,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 Role = Literal["prefill", "decode"]
 ROLES: tuple[Role, Role] = ("prefill", "decode")
@@ -268,8 +269,9 @@ def parse_spec(role: Role, entry: Any) -> InstanceSpec:
     if unknown:
         raise ValueError(f"{role} instance: unknown keys {sorted(unknown)}")
     url = entry.get("url")
-    if not isinstance(url, str) or not url.startswith(("http://", "https://")):
-        raise ValueError(f"{role} instance: url must be an http(s) URL, got {url!r}")
+    if not isinstance(url, str) or not _usable_url(url):
+        shown = repr(url)[:200]
+        raise ValueError(f"{role} instance: url must be an http(s) URL with a host, got {shown}")
     side = entry.get("side_channel")
     channel = parse_host_port(side) if side is not None else None
     drain = entry.get("drain", False)
@@ -278,13 +280,27 @@ def parse_spec(role: Role, entry: Any) -> InstanceSpec:
     return InstanceSpec(role, url.rstrip("/"), channel, drain)
 
 
+def _usable_url(url: str) -> bool:
+    """An http(s) URL of printable ASCII with a host and a valid port: anything else would
+    fail every request sent to it (a lone surrogate failed the router's own ranking)."""
+    if len(url) > 2048 or not url.isascii() or not url.isprintable() or " " in url:
+        return False
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 (raises ValueError when out of range)
+    except ValueError:
+        return False
+    return parts.scheme in ("http", "https") and bool(parts.hostname)
+
+
 def parse_host_port(value: Any) -> tuple[str, int]:
     """'HOST:PORT' -> (host, port); ValueError otherwise."""
     if not isinstance(value, str):
         raise ValueError(f"expected HOST:PORT, got {value!r}")
     host, sep, port = value.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"expected HOST:PORT, got {value!r}")
+    host_ok = bool(host.strip("[]")) and host.isascii() and host.isprintable() and " " not in host
+    if not sep or not host_ok or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"expected HOST:PORT, got {value[:200]!r}")
     return host.strip("[]"), int(port)
 
 

@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
+from kvpush.core import pairing
 from kvpush.core.ids import ANY_ENGINE, Key, MatchTable, names_other_engine
 from kvpush.vllm.config import ConnectorOptions
 from kvpush.vllm.scheduler_side import SchedulerSide, named_key, registration
@@ -165,3 +166,27 @@ def test_the_in_tree_side_channel_environment_is_read_when_kvpushs_is_not_set() 
     mine = {**nixl, "KVPUSH_SIDE_CHANNEL_PORT": "5700"}
     assert ConnectorOptions.parse({}, env=mine).side_channel_port == 5700  # kvpush's first
     assert ConnectorOptions.parse({"side_channel_port": 5800}, env=mine).side_channel_port == 5800
+
+
+def test_registrations_waiting_for_prefills_hold_a_bounded_number_of_ids(
+    make: Callable[..., Pair], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without a shared secret any agent that fetched P's info can register: a red-team
+    run's 3 MB registrations for made-up transfers grew P by 3 GiB in 30 s. Past
+    MAX_PENDING_IDS waiting ids a registration is refused at once (D's request fails
+    alone); the waiting ones are served, and room comes back as they leave."""
+    monkeypatch.setattr(pairing, "MAX_PENDING_IDS", 7)
+    pair = make(worker={"registration_ttl_s": 60.0})
+    producer = pair.p.worker.producer
+    pair.register(D_RID, "T1", 3)
+    pair.register("cmpl-d2-0-99ff0022", "T2", 3)
+    pair.until(lambda: len(producer.pending_regs) == 2)
+    pair.register("cmpl-d3-0-99ff0033", "T3", 3)  # 9 ids > 7
+    pair.until(lambda: "failed" in pair.d_kinds("cmpl-d3-0-99ff0033"), timeout=5, what="D3")
+    assert pair.p.worker.stats["reg_over_budget"] == 1 and len(producer.pending_regs) == 2
+    pair.p.prefill(P_RID, "T1", 3)  # a waiting one is served
+    pair.until(lambda: recv_ok(pair, D_RID), what="the push of T1")
+    pair.until(lambda: producer.pairing.pending_ids == 3, what="a recount")
+    pair.register("cmpl-d4-0-99ff0044", "T4", 3)  # room again
+    pair.until(lambda: len(producer.pending_regs) == 2, what="T4 to wait")
+    assert pair.p.worker.stats["reg_over_budget"] == 1

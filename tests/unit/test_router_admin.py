@@ -18,6 +18,16 @@ from kvpush.router.pool import InstanceSpec
 from tests.unit.test_router import serve
 from tests.unit.test_router_pools import FAST, Fake, complete, instances, until
 
+UNUSABLE_URLS = [
+    "http://",
+    "http://a b/",
+    "http://[::1",
+    "http://x:99999",
+    "http://h\r\nX-Evil: 1",
+    "http://bad\ud800host",
+    "http://" + "a" * 3000,
+]
+
 
 def test_config_file_reload_and_admin_input_checks(tmp_path: Path) -> None:
     async def main() -> None:
@@ -61,6 +71,16 @@ def test_config_file_reload_and_admin_input_checks(tmp_path: Path) -> None:
                 body = {"role": "decode", "url": "http://a:1", "extra": 1}
                 async with cl.post(url + "/admin/instances", json=body) as resp:
                     assert resp.status == 400
+                # URLs no request could be sent to (a red-team run added them all; the lone
+                # surrogate failed every client's request with a 500 until health caught up).
+                for bad_url in UNUSABLE_URLS:
+                    body = {"role": "decode", "url": bad_url}
+                    async with cl.post(url + "/admin/instances", json=body) as resp:
+                        assert resp.status == 400, bad_url
+                body = {"role": "decode", "url": "http://a:1", "side_channel": "[]:80"}
+                async with cl.post(url + "/admin/instances", json=body) as resp:
+                    assert resp.status == 400
+                assert (await complete(cl, url))[0] == 200
                 async with cl.post(url + "/admin/drain", json={"role": "decode", "url": "x"}) as r:
                     assert r.status == 404
                 assert set(await instances(cl, url)) == {p.url, d0.url, d1.url}
