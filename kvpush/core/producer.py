@@ -151,9 +151,12 @@ class Producer:
         try:
             peer = self.s.peers.load(host, port, fut)
         except (HandshakeError, TransportError) as e:
-            self.s.stats["handshake_failed"] += 1
+            # Only a push that waited on it fails with it (push_failures); one made to send
+            # D notices is counted apart (after a cut link it fails at once, again and again).
+            kind = "handshake_failed" if t is not None else "notice_handshake_failed"
+            self.s.stats[kind] += 1
             dropped = self.outbox.pop((host, port), [])
-            if worth_logging(n := self.s.stats["handshake_failed"]):
+            if worth_logging(n := self.s.stats[kind]):
                 why = f"{e} ({len(dropped)} notices dropped, #{n})"
                 log.warning("push_handshake_failed %s:%d: %s", host, port, why)
             if t is not None and t.state not in ENDED:

@@ -30,6 +30,7 @@ NOTE_STATS = (
     "completion_held",
     "fail_unknown",
     "handshake_failed",
+    "notice_handshake_failed",
     "write_failed",
     "notify_failed",
 )

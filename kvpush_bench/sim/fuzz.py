@@ -38,6 +38,7 @@ IGNORED_STATS = (
     "completion_wrong_sender",
     "fail_unknown",
     "handshake_failed",
+    "notice_handshake_failed",
 )
 BLOCKS = 4  # blocks of every staged request and registration
 

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
 from kvpush.core import pairing
+from kvpush.core.errors import HandshakeError
 from kvpush.core.ids import ANY_ENGINE, Key, MatchTable, names_other_engine
 from kvpush.vllm.config import ConnectorOptions
 from kvpush.vllm.scheduler_side import SchedulerSide, named_key, registration
@@ -190,3 +192,21 @@ def test_registrations_waiting_for_prefills_hold_a_bounded_number_of_ids(
     pair.register("cmpl-d4-0-99ff0044", "T4", 3)  # room again
     pair.until(lambda: len(producer.pending_regs) == 2, what="T4 to wait")
     assert pair.p.worker.stats["reg_over_budget"] == 1
+
+
+def test_a_handshake_only_for_notices_is_no_push_failure(make: Callable[..., Pair]) -> None:
+    """P handshakes with a registering D ahead of its push (and to send it notices). When
+    that fails, no push failed: counted apart. A push that then waits on a handshake that
+    fails is a push failure. (Seen in CI: after a cut link each notice's handshake failed
+    at once, and push_failures counted the three cut pushes twice.)"""
+
+    def unreachable(*args: Any, **kwargs: Any) -> Any:
+        raise HandshakeError("no route to host")  # as after a cut link: at once
+
+    pair = make(worker={"registration_ttl_s": 60.0}, p_fetch=unreachable)
+    stats = pair.p.worker.stats
+    pair.register(D_RID, "T", 3)
+    pair.until(lambda: stats["notice_handshake_failed"] >= 1, what="the early handshake")
+    assert stats["handshake_failed"] == 0
+    pair.p.prefill(P_RID, "T", 3)
+    pair.until(lambda: stats["handshake_failed"] == 1, what="the push's own handshake")
