@@ -1,6 +1,13 @@
-"""kvpush's own exceptions; NIXL's are mapped onto these in nixl_transport."""
+"""kvpush's own exceptions (NIXL's are mapped onto these in nixl_transport), and how often
+a warning that repeats is logged."""
 
 from __future__ import annotations
+
+
+def worth_logging(count: int) -> bool:
+    """Log the first ten of a kind, then every thousandth: a flood must not flood the log
+    (its counter counts every one)."""
+    return count <= 10 or count % 1000 == 0
 
 
 class KVPushError(Exception):

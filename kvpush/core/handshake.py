@@ -45,7 +45,7 @@ from typing import Annotated
 import msgspec
 
 from kvpush.core import frames
-from kvpush.core.errors import HandshakeError
+from kvpush.core.errors import HandshakeError, worth_logging
 from kvpush.core.layout import KVLayout
 from kvpush.core.secret import Secret, as_secret
 
@@ -274,7 +274,7 @@ class SideChannelServer:
     def _refuse(self, cause: str, detail: str) -> HandshakeReply:
         self.refused[cause] += 1
         n = self.refused[cause]
-        if n <= 10 or n % 1000 == 0:  # a flood must not flood the log too
+        if worth_logging(n):
             log.warning("handshake refused (%s, #%d): %s", cause, n, detail[:200])
         return HandshakeReply(error=_SHORT[cause])
 

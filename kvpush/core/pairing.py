@@ -35,6 +35,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from kvpush.core import wire
+from kvpush.core.errors import worth_logging
 from kvpush.core.ids import Key, MatchTable, base_request_id, names_other_engine
 from kvpush.core.types import StagedBlocks, StepMeta
 
@@ -55,12 +56,6 @@ MAX_ARRIVED = 1 << 20  # names of requests not yet handed over (a bound; refusal
 # D's block ids in registrations waiting for P's blocks: 4M blocks of 16 tokens are 64M
 # prompt tokens in flight to one P rank, far beyond an honest deployment's; about 200 MB.
 MAX_PENDING_IDS = 1 << 22
-
-
-def worth_logging(count: int) -> bool:
-    """Log the first ten of a kind, then every thousandth: a flood must not flood the log
-    (its metric counts every one)."""
-    return count <= 10 or count % 1000 == 0
 
 
 def named(key: Key) -> str:

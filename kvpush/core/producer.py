@@ -21,10 +21,10 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from kvpush.core import trace, wire
-from kvpush.core.errors import HandshakeError, TransportError
+from kvpush.core.errors import HandshakeError, TransportError, worth_logging
 from kvpush.core.ids import Key, MatchTable, base_request_id
 from kvpush.core.layout import as_ids
-from kvpush.core.pairing import Pairing, prompt_mismatch, same_prompt, worth_logging
+from kvpush.core.pairing import Pairing, prompt_mismatch, same_prompt
 from kvpush.core.records import DKey, Flight, PendingGroup, PendingReg, PRequest, PushTransfer
 from kvpush.core.routing import p_targets
 from kvpush.core.sender import Sender

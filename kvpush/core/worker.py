@@ -24,7 +24,7 @@ from typing import Any
 from kvpush.core import wire
 from kvpush.core.consumer import Consumer
 from kvpush.core.copy_route import CopyReceiver
-from kvpush.core.errors import KVPushError, TransportError, WireError
+from kvpush.core.errors import KVPushError, TransportError, WireError, worth_logging
 from kvpush.core.handshake import PROTOCOL_VERSION, AgentInfo, SideChannelServer, fetch_agent_info
 from kvpush.core.lane import host_identity
 from kvpush.core.layout import KVLayout
@@ -370,7 +370,7 @@ class PushWorker:
             return True
         self.stats["notif_unauthenticated"] += 1
         n = self.stats["notif_unauthenticated"]
-        if n <= 10 or n % 1000 == 0:
+        if worth_logging(n):
             log.warning("notification from unauthenticated agent %r dropped (#%d)", sender, n)
         return False
 
