@@ -30,11 +30,14 @@ MAX_CONNS = 64
 IDLE_S = 10.0
 _RECV = 1 << 16
 _SEND = 1 << 20
-OUT_OF_TIME = "out of time"  # a FrameError's text when the deadline passed
 
 
 class FrameError(Exception):
     """A message could not be sent or received (the reason in words)."""
+
+
+class FrameTimeout(FrameError):
+    """The deadline passed first."""
 
 
 def frame(payload: bytes) -> bytes:
@@ -53,7 +56,7 @@ def connect(sockaddr: tuple[object, ...], family: int, deadline: float) -> socke
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     except (OSError, FrameError) as e:
         sock.close()
-        raise FrameError(_why(e, "connect")) from e
+        raise _error(e, "connect") from e
     return sock
 
 
@@ -62,7 +65,7 @@ def send(sock: socket.socket, payload: bytes, deadline: float) -> None:
         sock.settimeout(_left(deadline))
         sock.sendall(frame(payload))
     except OSError as e:
-        raise FrameError(_why(e, "send")) from e
+        raise _error(e, "send") from e
 
 
 def receive(sock: socket.socket, cap: int, deadline: float) -> bytes:
@@ -87,23 +90,23 @@ def _exactly(sock: socket.socket, n: int, deadline: float) -> bytes:
             parts.append(part)
             got += len(part)
     except OSError as e:
-        raise FrameError(_why(e, "receive")) from e
+        raise _error(e, "receive") from e
     return b"".join(parts)
 
 
 def _left(deadline: float) -> float:
     left = deadline - time.monotonic()
     if left <= 0:
-        raise FrameError(OUT_OF_TIME)
+        raise FrameTimeout("out of time")
     return left
 
 
-def _why(e: BaseException, what: str) -> str:
+def _error(e: BaseException, what: str) -> FrameError:
     if isinstance(e, FrameError):
-        return str(e)
+        return e
     if isinstance(e, TimeoutError):
-        return OUT_OF_TIME
-    return f"{what}: {e}"
+        return FrameTimeout("out of time")
+    return FrameError(f"{what}: {e}")
 
 
 # ---- the server side: one thread, non-blocking sockets -------------------------------------

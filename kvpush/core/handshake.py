@@ -358,7 +358,7 @@ def _resolve(host: str, port: int, where: str) -> tuple[int, tuple[object, ...]]
 
 
 def _failed(e: frames.FrameError, where: str, timeout_s: float) -> HandshakeError:
-    if str(e) == frames.OUT_OF_TIME:
+    if isinstance(e, frames.FrameTimeout):
         return HandshakeError(f"no handshake answer from {where} in {timeout_s:.1f}s")
     return HandshakeError(f"handshake with {where}: {e}")
 
