@@ -187,15 +187,15 @@ class Producer:
             self.s.stats["reg_duplicate"] += 1
             log.warning("duplicate registration %s from %s ignored", key, sender)
             return
+        preq = self.pairing.staged_for(key)  # else it waits: refused first if it cannot
+        if preq is None and (self.pairing.refuse_ended(key, reg) or not self.pairing.room_for(reg)):
+            return
         # The decoder checked the ids for duplicates; D's layout checks the range at WRITE.
         pend = PendingReg(reg, sender, time.monotonic(), [as_ids(g) for g in reg.local_block_ids])
-        preq = self.pairing.staged_for(key)
         if preq is not None:
             self._attach(preq, pend)
             if preq.state is not State.STAGED:
                 self.staged.pop_value(preq)
-            return
-        if self.pairing.refuse_ended(key, reg) or not self.pairing.room_for(reg):
             return
         if group is None:
             self.pending_regs.add(key, PendingGroup({rank: pend}))
