@@ -23,7 +23,7 @@ async def reason(call: Call) -> str | None:
         return "content_type"  # vLLM refuses it: D answers as a plain server does
     if not isinstance(call.body, dict):
         return "not_an_object"
-    limit = await info.known_max_model_len(call.app, call.headers.get("Authorization"))
+    limit = await info.known_max_model_len(call.app, call.headers)
     return bodies.decoder_alone(call.body, call.chat, limit)
 
 

@@ -51,6 +51,7 @@ from kvpush.router import (
     bodies,
     boundary,
     head,
+    hops,
     info,
     legs,
     replies,
@@ -185,7 +186,7 @@ async def _read(request: web.Request, path: str, chat: bool) -> Call:
     # The same request id on both legs lets P and D match each other even without
     # transfer_id support (the in-tree connectors match on it), and gives the engine
     # sub-requests of one client request the same ids on both (the connector's keys).
-    headers = {"X-Request-Id": tid}
+    headers = {"X-Request-Id": tid, **hops.outgoing(request)}
     if "Authorization" in request.headers:
         headers["Authorization"] = request.headers["Authorization"]
     stream = isinstance(body, dict) and body.get("stream") is True

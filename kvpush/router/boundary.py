@@ -9,6 +9,7 @@ request, so none is judged by it (no breaker moves).
   upstream's failure (three such requests opened healthy instances' breakers); one
   within Latin-1 but beyond ASCII would reach the upstream as other bytes than the
   client sent (aiohttp reads header bytes as UTF-8);
+- a request that went through this router already (`hops`): 508, before its body is read;
 - the body (`read_body`): 413 above `RouterConfig.max_body_bytes`; 408 and the
   connection closed when it does not arrive within `RouterConfig.body_timeout`;
 - its JSON (`parse`): 400 for a body nested deeper than `MAX_DEPTH` (a body too deep
@@ -25,7 +26,7 @@ from typing import Any
 
 from aiohttp import web
 
-from kvpush.router import jsonbody
+from kvpush.router import hops, jsonbody
 from kvpush.router.config import CONFIG, METRICS
 
 # The endpoints that serve clients (and call upstreams on their behalf).
@@ -55,6 +56,7 @@ def error(status: int, message: str, kind: str = "BadRequestError") -> web.Respo
 
 def install(app: web.Application) -> None:
     app[_IN_FLIGHT] = [0]
+    hops.install(app)
     app.middlewares.append(guard)
 
 
@@ -74,6 +76,10 @@ async def guard(request: web.Request, handler: Any) -> web.StreamResponse:
         if value is not None and not _plain(value):
             app[METRICS].refused("header")
             return error(400, f"header {name}: the value is not printable ASCII")
+    if (refused := hops.refusal(request)) is not None:
+        status, why = refused
+        app[METRICS].refused("loop" if status == 508 else "header")
+        return error(status, why, "LoopDetected" if status == 508 else "BadRequestError")
     count[0] += 1
     try:
         return await handler(request)  # type: ignore[no-any-return]

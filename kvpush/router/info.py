@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import aiohttp
 from aiohttp import web
 
-from kvpush.router import admin, legs
+from kvpush.router import admin, hops, legs
 from kvpush.router.config import CONFIG, LIMITS, METRICS, POOL, SESSION
 
 _HEALTH_TIMEOUT_S = 5.0
@@ -27,14 +28,17 @@ def _decoder(app: web.Application) -> str | None:
     return inst.url if inst is not None else None
 
 
-def _auth(authorization: str | None) -> dict[str, str]:
-    return {"Authorization": authorization} if authorization is not None else {}
+def _headers(request: web.Request) -> dict[str, str]:
+    """What the router's ask of an instance for `request` carries: the client's
+    authorization, the routers it went through (`hops`)."""
+    auth = request.headers.get("Authorization")
+    return {**({"Authorization": auth} if auth is not None else {}), **hops.outgoing(request)}
 
 
 async def models(request: web.Request) -> web.StreamResponse:
     # Benchmark clients ask for the model name; every instance serves the same model.
     app = request.app
-    headers = _auth(request.headers.get("Authorization"))
+    headers = _headers(request)
     url = _decoder(app)
     if url is None:
         err = legs.LegError("decode", "connection", "no decode instance configured")
@@ -52,16 +56,16 @@ async def models(request: web.Request) -> web.StreamResponse:
     return web.json_response(err.to_json(""), status=err.http_status)
 
 
-async def max_model_len(app: web.Application, authorization: str | None = None) -> int | None:
-    """The decoder's max_model_len, from its /v1/models (asked with the client's
-    `authorization`); None if it does not say."""
+async def max_model_len(app: web.Application, headers: Mapping[str, str]) -> int | None:
+    """The decoder's max_model_len, from its /v1/models (asked with `headers`: the
+    client's authorization, `hops`); None if it does not say."""
     url = _decoder(app)
     if url is None:
         return None
     try:
         async with asyncio.timeout(_HEALTH_TIMEOUT_S):
             models_url = url + "/v1/models"
-            async with app[SESSION].get(models_url, headers=_auth(authorization)) as resp:
+            async with app[SESSION].get(models_url, headers=headers) as resp:
                 if resp.status != 200:
                     return None
                 data = await resp.json()
@@ -106,14 +110,14 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=request.app[METRICS].render(), headers={"Content-Type": ctype})
 
 
-async def known_max_model_len(app: web.Application, authorization: str | None = None) -> int | None:
-    """D's context length, from its /v1/models (asked with the client's
-    `authorization`): asked once, or again every `_ASK_AGAIN_S` while D cannot say
+async def known_max_model_len(app: web.Application, headers: Mapping[str, str]) -> int | None:
+    """D's context length, from its /v1/models (asked with `headers`, as
+    `max_model_len`): asked once, or again every `_ASK_AGAIN_S` while D cannot say
     (then None: no request waits on it)."""
     limits = app[LIMITS]
     now = time.monotonic()
     if limits.get("max_model_len") is None and now >= (limits.get("ask_at") or 0.0):
         limits["ask_at"] = now + _ASK_AGAIN_S
-        limits["max_model_len"] = await max_model_len(app, authorization)
+        limits["max_model_len"] = await max_model_len(app, headers)
     value = limits.get("max_model_len")
     return int(value) if value is not None else None
