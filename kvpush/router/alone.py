@@ -23,6 +23,8 @@ async def reason(call: Call) -> str | None:
         return "content_type"  # vLLM refuses it: D answers as a plain server does
     if not isinstance(call.body, dict):
         return "not_an_object"
+    if bodies.vllm_refuses_params(call.body):  # left as sent by `app._read`
+        return "bad_kv_transfer_params"
     limit = await info.known_max_model_len(call.app, call.headers)
     return bodies.decoder_alone(call.body, call.chat, limit)
 
@@ -44,8 +46,9 @@ async def serve(call: Call, why: str) -> web.StreamResponse:
     d = call.d = call.pool.choose("decode")
     if d is None:
         return replies.none_available(call, "decode")
-    # An object is written from what was read, less the client's kv_transfer_params;
-    # only what has no fields (not JSON, not an object) goes as the client sent it.
+    # An object is written from what was read, less the client's kv_transfer_params
+    # (but for one vLLM refuses for them); only what has no fields (not JSON, not an
+    # object) goes as the client sent it.
     data = jsonbody.dump(call.body) if isinstance(call.body, dict) else call.raw
     metrics, timeout = call.metrics, call.timeout
     with using(metrics, d) as verdict:

@@ -176,10 +176,7 @@ async def _read(request: web.Request, path: str, chat: bool) -> Call:
     answer), less the client's kv_transfer_params, as a `Call`; counted in."""
     raw = await boundary.read_body(request)
     body = boundary.parse(request, raw)
-    if isinstance(body, dict):
-        if (why := bodies.bad_params(body)) is not None:
-            request.app[METRICS].refused("bad_kv_transfer_params")
-            raise boundary.Refused(boundary.error(400, why))
+    if isinstance(body, dict) and not bodies.vllm_refuses_params(body):
         body = bodies.untrusted(body)
     tid = new_tid()
     trace.mark("router.recv", tid)

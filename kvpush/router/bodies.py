@@ -51,16 +51,26 @@ _MAX_LOGPROBS = 20
 # sampling args) when the request has no top-level one: a client's there is dropped too.
 KV_PARAMS = "kv_transfer_params"
 _XARGS = "vllm_xargs"
+# What vLLM's extra args take as a value, or as a list's items (JSON's true is an int).
+_XARG_SCALARS = (str, int, float)
 
 
-def bad_params(body: dict[str, Any]) -> str | None:
-    """What vLLM says of a client's ``kv_transfer_params`` that is neither an object nor
-    null (it refuses the request with 400), else None: dropping such a value would turn
-    a request a plain server refuses into one the router serves."""
+def vllm_refuses_params(body: dict[str, Any]) -> bool:
+    """Whether vLLM refuses this body for its ``kv_transfer_params`` (400): one that is
+    neither an object nor null, or one in ``vllm_xargs`` of a type vLLM's extra args
+    do not take (an object, a null, a list holding either). Dropping such a value would
+    turn a request a plain server refuses into one the router serves; such a body goes
+    to D as sent, for vLLM's own 400 (its schema refuses it before anything acts on it)."""
     value = body.get(KV_PARAMS)
-    if value is None or isinstance(value, dict):
-        return None
-    return f"{KV_PARAMS}: Input should be a valid dictionary"
+    if value is not None and not isinstance(value, dict):
+        return True
+    xargs = body.get(_XARGS)
+    if not isinstance(xargs, dict) or KV_PARAMS not in xargs:
+        return False
+    value = xargs[KV_PARAMS]
+    if isinstance(value, list):
+        return not all(isinstance(v, _XARG_SCALARS) for v in value)
+    return not isinstance(value, _XARG_SCALARS)
 
 
 def untrusted(body: dict[str, Any]) -> dict[str, Any]:

@@ -100,8 +100,8 @@ class RouterMetrics:
         )
         self._refused = Counter(
             _PREFIX + "refused_total",
-            "Client requests the router answered itself with a 4xx or 503, no upstream "
-            "asked (busy, header, too_large, body_timeout, too_deep, bad_kv_transfer_params).",
+            "Client requests the router answered itself with a 4xx, 503 or 508, no upstream "
+            "asked (busy, header, too_large, body_timeout, too_deep, loop).",
             ["reason"],
             registry=r,
         )

@@ -200,6 +200,37 @@ def test_bodies_pythons_json_reads_oddly_get_the_plain_servers_answer(
     alive(c)
 
 
+# kv_transfer_params vLLM's schema refuses (the router drops the client's params; dropping
+# these would serve what a plain server refuses: a red-team run got 200 for vLLM's 400).
+REFUSED_PARAMS: list[dict[str, Any]] = [
+    {"kv_transfer_params": "x"},
+    {"kv_transfer_params": [1]},
+    {"vllm_xargs": {"kv_transfer_params": {"do_remote_prefill": True, "remote_port": 9}}},
+    {"vllm_xargs": {"kv_transfer_params": None}},
+    {"vllm_xargs": {"kv_transfer_params": [{}]}},
+]
+
+
+@pytest.mark.parametrize("extra", REFUSED_PARAMS)
+@pytest.mark.parametrize("chat", [False, True])
+def test_params_vllm_refuses_get_the_plain_servers_400_word_for_word(
+    env: dict[str, Any], extra: dict[str, Any], chat: bool
+) -> None:
+    c: Cluster = env["cluster"]
+    if chat:
+        path, fields = "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}
+    else:
+        path, fields = "/v1/completions", {"prompt": PROMPT}
+    for stream in (False, True):
+        body = json.dumps({"model": env["model"], **fields, "stream": stream, **extra}).encode()
+        want_status, want, _ = call(env["plain"], path, body)
+        got_status, got, elapsed = call(c.router.url, path, body, timeout=30)
+        assert want_status == 400 and got_status == 400, (got_status, got, want)
+        assert json.loads(got) == json.loads(want)
+        assert elapsed < 10.0, f"{elapsed:.1f}s"
+    alive(c)
+
+
 # --- the fuzzer ----------------------------------------------------------------------------
 
 # Fields of vLLM 0.32's CompletionRequest / ChatCompletionRequest.

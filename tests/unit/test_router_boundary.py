@@ -30,6 +30,9 @@ HOSTILE = {
 }
 # vLLM reads kv_transfer_params from vllm_xargs too when the body has none of its own.
 XARGS = {"kv_transfer_params": "x", "keep": 1}
+KV = "kv_transfer_params"
+# What vLLM's extra args take (so vLLM would read them as the connector's orders).
+XARG_VALUES: list[Any] = ["x", 3, 2.5, True, [], ["a", 1, 2.5, False]]
 
 
 def hostile(body: dict[str, Any]) -> dict[str, Any]:
@@ -435,20 +438,58 @@ def test_a_body_not_sent_as_json_goes_to_the_decoder_alone(ctype: str | None) ->
     asyncio.run(main())
 
 
-@pytest.mark.parametrize("value", ["x", [1, 2], 3, True])
-def test_kv_transfer_params_that_are_no_object_are_refused_as_vllm_refuses_them(
-    value: Any,
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"kv_transfer_params": "x"},
+        {"kv_transfer_params": [1, 2]},
+        {"kv_transfer_params": 3},
+        {"kv_transfer_params": True},
+        # vLLM's extra args take strings, numbers and lists of them, nothing else.
+        {"vllm_xargs": {"kv_transfer_params": HOSTILE}},
+        {"vllm_xargs": {"kv_transfer_params": None}},
+        {"vllm_xargs": {"kv_transfer_params": [HOSTILE]}},
+        {"vllm_xargs": {"kv_transfer_params": [[1]]}},
+        {"kv_transfer_params": HOSTILE, "vllm_xargs": {"kv_transfer_params": {}}},
+    ],
+)
+def test_params_vllm_refuses_go_to_the_decoder_as_sent_for_vllms_own_400(
+    extra: dict[str, Any],
 ) -> None:
+    """Dropping them would serve a request a plain server refuses (a red-team run: 200
+    where vLLM answers 400); vLLM's schema refuses them before anything acts on them."""
+
     async def main() -> None:
         async with routed() as (url, cl, p, d):
-            body = {**completion_body(), "kv_transfer_params": value}
+            body = {**completion_body(), **extra}
             async with cl.post(url + "/v1/completions", json=body) as resp:
-                assert resp.status == 400
-                assert "valid dictionary" in (await resp.json())["error"]["message"]
-            body["kv_transfer_params"] = None  # null is no params: served
+                assert resp.status == 200  # the stub's answer: D's, whatever it is
+            assert p.bodies == [] and d.bodies == [body]
+            async with cl.get(url + "/metrics") as resp:
+                text = await resp.text()
+            assert 'kvpush_router_decoder_alone_total{reason="bad_kv_transfer_params"} 1.0' in text
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"kv_transfer_params": None},
+        {"kv_transfer_params": HOSTILE},
+        *({"vllm_xargs": {"kv_transfer_params": v, "keep": 1}} for v in XARG_VALUES),
+    ],
+)
+def test_params_vllm_takes_are_dropped(extra: dict[str, Any]) -> None:
+    async def main() -> None:
+        async with routed() as (url, cl, p, d):
+            body = {**completion_body(), **extra}
             async with cl.post(url + "/v1/completions", json=body) as resp:
                 assert resp.status == 200
-        assert p.bodies[0]["kv_transfer_params"]["do_remote_decode"] is True
+            for leg in (p.bodies[0], d.bodies[0]):
+                assert leg["kv_transfer_params"]["transfer_id"] != HOSTILE["transfer_id"]
+                assert KV not in leg.get("vllm_xargs", {})
+            assert p.bodies[0]["kv_transfer_params"]["do_remote_decode"] is True
 
     asyncio.run(main())
 
