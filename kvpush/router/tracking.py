@@ -168,11 +168,14 @@ async def watched(
 def prefill_first(prefill: asyncio.Task[Any], d_err: legs.LegError | None) -> BaseException | None:
     """What to report once D's first chunk came (`d_err` None) or D failed: P's failure
     if P failed (a decode leg that fails because P failed is reported as the prefill
-    failure that caused it), unless both refused (then D's own refusal); else `d_err`."""
+    failure that caused it), unless P refused and D answered too (then D's own answer:
+    its refusal, or its stream, which holds the error event a plain server streams for a
+    request it refuses after its 200); else `d_err`."""
     if not prefill.done() or prefill.cancelled() or prefill.exception() is None:
         return d_err
     p_err = prefill.exception()
-    if isinstance(p_err, legs.LegError) and p_err.refused and d_err is not None and d_err.refused:
+    p_refused = isinstance(p_err, legs.LegError) and p_err.refused
+    if p_refused and (d_err is None or d_err.refused):
         return d_err
     return p_err
 
@@ -217,7 +220,9 @@ def settle(call: Call, decode_ok: bool, *others: Any) -> None:
         if task.cancelled():
             return
         exc = task.exception()
-        if isinstance(exc, legs.LegError):
+        if isinstance(exc, legs.LegError) and exc.refused:  # the client's mistake, which
+            log.debug("transfer %s: P refused after D answered: %s", tid, exc)  # D answered
+        elif isinstance(exc, legs.LegError):
             metrics.error(exc.leg, exc.kind)
             log.warning("transfer %s: prefill failed after decode finished: %s", tid, exc)
         elif exc is not None:

@@ -231,6 +231,31 @@ def test_params_vllm_refuses_get_the_plain_servers_400_word_for_word(
     alive(c)
 
 
+# Streamed requests vLLM refuses after its 200 (an error event, then [DONE]).
+IN_STREAM_REFUSALS: list[dict[str, Any]] = [
+    {"prompt": [5, 6, 5000], "temperature": 0},  # an id out of the vocabulary; greedy
+    {"prompt": [5, 6, 5000], "temperature": 0.8, "n": 2},
+    {"prompt": [[]], "temperature": 0},
+    {"prompt": [[5, 6], [5000]], "temperature": 0},  # one good prompt, one refused
+]
+
+
+@pytest.mark.parametrize("fields", IN_STREAM_REFUSALS)
+def test_a_stream_vllm_refuses_after_its_200_is_answered_as_the_plain_server_does(
+    env: dict[str, Any], fields: dict[str, Any]
+) -> None:
+    """A red-team run: the router answered P's 400 where a plain server streams 200 and
+    an error event, in 11-15 of 15 tries."""
+    c: Cluster = env["cluster"]
+    body = json.dumps({"model": env["model"], "max_tokens": 4, "stream": True, **fields})
+    want = call(env["plain"], "/v1/completions", body.encode())
+    for _ in range(3):
+        got = call(c.router.url, "/v1/completions", body.encode(), timeout=30)
+        assert (got[0], got[1]) == (want[0], want[1]) and want[0] == 200, (got, want)
+        assert got[2] < 10.0, f"{got[2]:.1f}s"
+    alive(c)
+
+
 # --- the fuzzer ----------------------------------------------------------------------------
 
 # Fields of vLLM 0.32's CompletionRequest / ChatCompletionRequest.

@@ -148,3 +148,76 @@ def test_an_interrupt_closed_before_its_prefill_callback_runs_cancels_nothing() 
         prefill.exception()
 
     asyncio.run(main())
+
+
+# vLLM refuses some streamed requests after its 200 (an id out of the vocabulary, an empty
+# prompt in a list): an error event with the 400, then [DONE].
+IN_STREAM_400 = (
+    b'data: {"error": {"message": "Token id 5000 is out of vocabulary", "code": 400}}\n\n'
+    b"data: [DONE]\n\n"
+)
+
+
+@pytest.mark.parametrize("early", [True, False], ids=["greedy", "sampled"])
+def test_a_stream_vllm_refuses_after_its_200_gets_ds_200_and_error_event(early: bool) -> None:
+    """A plain server answers 200 and the error event; so must the router, whichever leg
+    says it first (a red-team run: 400, P's refusal, in 12-15 of 15 tries). P's leg for
+    a greedy request is streamed (its refusal is an error event, `head.check_answer`),
+    for a sampled one unary (HTTP 400)."""
+    p_answered = asyncio.Event()
+
+    async def prefill(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        if early:
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            await resp.write(IN_STREAM_400)
+            await resp.write_eof()
+        else:
+            resp = web.json_response({"error": {"message": "out of vocabulary"}}, status=400)
+        p_answered.set()
+        return resp
+
+    async def decode(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await asyncio.wait_for(p_answered.wait(), DEADLINE)  # P's refusal first, mostly
+        await resp.write(IN_STREAM_400)
+        return resp
+
+    body = {**completion_body(True), "temperature": 0 if early else 0.8}
+
+    async def main() -> None:
+        async with running(stub(prefill), stub(decode)) as (url, cl):
+            for _ in range(5):
+                p_answered.clear()
+                async with cl.post(url + "/v1/completions", json=body) as resp:
+                    assert resp.status == 200
+                    assert await resp.read() == IN_STREAM_400
+            async with cl.get(url + "/metrics") as resp:
+                assert "kvpush_router_errors_total{" not in await resp.text()
+
+    asyncio.run(main())
+
+
+def test_ps_refusal_yields_to_ds_answer_once_d_answered() -> None:
+    """The order the race above mostly takes, made certain: P's refusal is in when D's
+    first chunk comes."""
+
+    async def main() -> None:
+        async def refuse() -> None:
+            raise legs.LegError("prefill", "upstream", "HTTP 400", 400)
+
+        async def fail() -> None:
+            raise legs.LegError("prefill", "upstream", "HTTP 503", 503)
+
+        refused, failed = asyncio.ensure_future(refuse()), asyncio.ensure_future(fail())
+        await asyncio.wait({refused, failed})
+        d_refused = legs.LegError("decode", "upstream", "HTTP 400", 400)
+        assert tracking.prefill_first(refused, None) is None  # D's stream goes to the client
+        assert tracking.prefill_first(refused, d_refused) is d_refused
+        assert tracking.prefill_first(failed, None) is failed.exception()  # no KV will come
+        assert tracking.prefill_first(failed, d_refused) is failed.exception()
+
+    asyncio.run(main())
