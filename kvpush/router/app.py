@@ -200,6 +200,7 @@ async def _attempt(call: Call) -> Outcome:
     cfg, tid = call.cfg, call.tid
     call.early = call.stream and head.eligible(call.body, call.chat)  # P's token may go first
     pbody = (head.prefill_body if call.early else bodies.prefill_body)(call.body, tid, call.chat)
+    bodies.seal_params(pbody, cfg.params_secret)
     url = p.url + call.path
     # P's stream read as it comes: its head before its end (`head.Early`); traced, P's
     # first piece at the router, apart from its whole answer (`router.p_answer`).
@@ -214,6 +215,7 @@ async def _attempt(call: Call) -> Outcome:
     if trace.ON:  # P's answer (its first token, as one plain server would send it)
         prefill.add_done_callback(lambda _: trace.mark("router.p_answer", tid))
     dbody = bodies.decode_body(call.body, tid, p.spec.side_channel, cfg.decode_kv_extra)
+    bodies.seal_params(dbody, cfg.params_secret)
     log.debug("transfer %s: legs started on %s and %s (stream=%s)", tid, p.url, d.url, call.stream)
     if call.stream:
         return await streaming.serve(call, dbody, early)

@@ -21,6 +21,9 @@ from __future__ import annotations
 
 from typing import Any, TypeGuard
 
+from kvpush.core import seal
+from kvpush.core.secret import Secret
+
 # Fields P does not get: they would make it compute logprobs or compile a grammar for a
 # token nobody reads, or conflict with max_tokens=1 and stream=False (min_tokens,
 # stream_options). Every other field goes to P as sent, also those that only shape the
@@ -113,6 +116,13 @@ def decode_body(
     out = dict(body)
     out["kv_transfer_params"] = params
     return out
+
+
+def seal_params(leg: dict[str, Any], secret: Secret | None) -> None:
+    """With a params secret, the leg's ``kv_transfer_params`` sealed in place (the leg is
+    the router's own copy): P and D with that secret act on sealed params only."""
+    if secret is not None:
+        leg[KV_PARAMS] = seal.seal(leg[KV_PARAMS], secret)
 
 
 def decoder_alone(body: dict[str, Any], chat: bool, max_model_len: int | None = None) -> str | None:

@@ -136,6 +136,7 @@ def instances(args: argparse.Namespace) -> tuple[InstanceSpec, ...]:
 
 def config(args: argparse.Namespace) -> RouterConfig:
     """The router's settings from its flags; ValueError for flags that do not fit."""
+    from kvpush.core import seal
     from kvpush.router.config import RouterConfig
 
     policy = Policy(
@@ -160,6 +161,7 @@ def config(args: argparse.Namespace) -> RouterConfig:
         max_concurrent=args.max_concurrent_requests,
         max_body_bytes=args.max_body_bytes,
         body_timeout=args.body_timeout,
+        params_secret=seal.from_env(),
     )
 
 

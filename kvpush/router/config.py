@@ -9,6 +9,8 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from kvpush.core import seal
+from kvpush.core.secret import Secret
 from kvpush.router import wire
 from kvpush.router.metrics import RouterMetrics
 from kvpush.router.pool import InstanceSpec, Policy, Pool
@@ -40,6 +42,8 @@ class RouterConfig:
     max_concurrent: int = 1024  # client requests at once; beyond, 503 with Retry-After
     max_body_bytes: int = 64 * 1024 * 1024  # a longer request body gets 413
     body_timeout: float = 30.0  # seconds to receive a request's body; slower: 408
+    # Seals every leg's kv_transfer_params (kvpush.core.seal); from KVPUSH_PARAMS_SECRET.
+    params_secret: Secret | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         positive = {
@@ -65,6 +69,8 @@ class RouterConfig:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         if self.retries < 0 or self.policy.affinity_chars < 0:
             raise ValueError("retries and affinity_chars must be >= 0")
+        if self.params_secret is not None and not seal.flat(self.decode_kv_extra):
+            raise ValueError("decode_kv_extra must be flat scalars to be sealed")
         token = self.admin_token
         if token is not None and not (token.isascii() and token.isprintable() and token.strip()):
             raise ValueError("admin_token must be printable ASCII, not empty (an HTTP header)")

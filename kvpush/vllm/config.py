@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, fields
 from functools import cached_property
 from typing import Any
 
+from kvpush.core import seal
 from kvpush.core.errors import ConfigError
 from kvpush.core.scheduler import SchedulerConfig
 from kvpush.core.secret import Secret
@@ -60,6 +61,9 @@ class ConnectorOptions:
     late_write_hold_s: str = "auto"
     # From KVPUSH_SHARED_SECRET only; a Secret, so no repr (vLLM prints this) shows it.
     shared_secret: Secret | None = field(default=None, repr=False, compare=False)
+    # From KVPUSH_PARAMS_SECRET only: act on a request's kv_transfer_params only when the
+    # router sealed them with it (kvpush.core.seal).
+    params_secret: Secret | None = field(default=None, repr=False, compare=False)
 
     # Parsed once: the scheduler side reads trusted_p for every request.
     @cached_property
@@ -118,7 +122,7 @@ class ConnectorOptions:
             found = [env[name] for name in names if name in env]
             if found:
                 values[key] = found[0]
-        known = {f.name: f for f in fields(cls) if f.name != "shared_secret"}
+        known = {f.name: f for f in fields(cls) if not f.name.endswith("_secret")}
         for key, value in (extra or {}).items():
             if key not in known:
                 raise ConfigError(
@@ -129,6 +133,7 @@ class ConnectorOptions:
         out: dict[str, Any] = {}
         if env.get(ENV_SECRET):
             out["shared_secret"] = Secret(env[ENV_SECRET])
+        out["params_secret"] = seal.from_env(env)
         for key, value in values.items():
             kind = type(getattr(cls, key))
             try:

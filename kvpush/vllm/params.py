@@ -25,6 +25,7 @@ MAX_NAME_CHARS = 512  # an engine id (wire.Name)
 MAX_ID_CHARS = 256
 MAX_HOST_CHARS = 255  # wire.Host
 MAX_OTHER_CHARS = 1024  # a string under a key kvpush does not read
+_MAX_MARK_CHARS = 64  # SchedulerSide's marks (a 32-character token)
 MAX_OTHER_ITEMS = 1 << 16  # items of a list under a key kvpush does not read (block ids)
 # A host name, an IPv4 address or a bracketed IPv6 one (with a zone): what ZMQ's tcp://
 # endpoint takes, and nothing of its other syntax ("*", ";", "/", spaces).
@@ -76,9 +77,12 @@ def _size(params: dict[str, Any], name: str, alias: str) -> int:
 
 
 def _check_value(key: str, value: Any) -> None:
-    if key in _FLAGS or key.startswith("_kvpush_"):  # (our own marks are flags too)
+    if key in _FLAGS:
         if value is not None and not isinstance(value, bool):
             raise BadParams(f"kv_transfer_params {key} must be true or false, not {_show(value)}")
+    elif key.startswith("_kvpush_"):  # the connector's own marks: a short token, or a flag
+        if value is not None and not isinstance(value, bool):
+            _string(key, value, _MAX_MARK_CHARS, allow_none=False)
     elif key == "remote_engine_id":
         _string(key, value, MAX_NAME_CHARS, allow_none=True)
     elif key in _IDS:

@@ -12,7 +12,8 @@ import re
 import secrets
 from typing import Any
 
-from kvpush.core import trace
+from kvpush.core import seal, trace
+from kvpush.core.errors import worth_logging
 from kvpush.core.ids import ANY_ENGINE, base_request_id
 from kvpush.core.scheduler import PushScheduler
 from kvpush.core.types import RecvRegistration, StepMeta, WorkerOutput
@@ -33,9 +34,9 @@ _REGISTERED = "_kvpush_registered"
 _PROMPT_INDEX = re.compile(r"(?:cmpl-.*-|chatcmpl-.*_)(\d+)$")
 
 
-def _params(request: Any) -> dict[str, Any]:
-    params = getattr(request, "kv_transfer_params", None)
-    return params if isinstance(params, dict) else {}
+# The connector's verdict on a request's seal, kept in its params (``SchedulerSide._params``).
+_SEALED = "_kvpush_sealed"
+_UNSEALED = "no"
 
 
 def sub_request(request_id: str) -> tuple[int, int]:
@@ -162,14 +163,41 @@ class SchedulerSide:
         self._new_p: dict[str, Any] = {}
         self._traced: dict[str, str | None] = {}  # D, tracing: request id -> transfer id
         self._forwarded: dict[str, str | None] = {}  # D, tracing: first forward scheduled
-        self._mark = secrets.token_hex(16)  # the value of _REGISTERED
+        self._mark = secrets.token_hex(16)  # the value of _REGISTERED and of _SEALED
+        self._unsealed = 0  # requests whose params were ignored: not sealed
+
+    def _params(self, request: Any) -> dict[str, Any]:
+        """The request's kv_transfer_params to act on: with a params secret, only sealed
+        ones (`kvpush.core.seal`), else none, and the request is served as by a plain
+        server. The verdict is kept in them, so each request's are checked once."""
+        params = getattr(request, "kv_transfer_params", None)
+        if not isinstance(params, dict):
+            return {}
+        secret = self.opts.params_secret
+        if secret is None or params.get(_SEALED) == self._mark:
+            return params
+        if params.get(_SEALED) == _UNSEALED:
+            return {}
+        if seal.sealed(params, secret):
+            params[_SEALED] = self._mark
+            return params
+        params[_SEALED] = _UNSEALED
+        self._unsealed += 1
+        if worth_logging(self._unsealed):
+            log.warning(
+                "request %s: kv_transfer_params not sealed by the router (%d so far); "
+                "served without them",
+                request.request_id,
+                self._unsealed,
+            )
+        return {}
 
     # ---- D ---------------------------------------------------------------------------------
 
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int, bool]:
-        params = _params(request)
+        params = self._params(request)
         if not (self.is_consumer and params.get("do_remote_prefill")) or self._marked(params):
             return 0, False
         count = len(getattr(request, "prompt_token_ids", None) or ()) - num_computed_tokens
@@ -188,7 +216,7 @@ class SchedulerSide:
         num_external_tokens: int,
         block_size: int,
     ) -> None:
-        params = _params(request)
+        params = self._params(request)
         if self.is_producer and params.get("do_remote_decode"):
             if trace.ON:
                 trace.mark("p_sched.alloc", p_key(request.request_id, params), request.request_id)
@@ -216,7 +244,7 @@ class SchedulerSide:
     def on_new_request(self, request: Any) -> None:
         """vLLM's add_request, before the engine can schedule it: P's workers learn the
         names a registration may give it, to refuse one naming a request that never came."""
-        params = _params(request)
+        params = self._params(request)
         if self.is_producer and params.get("do_remote_decode"):
             self.sched.arrived(p_names(request.request_id, params))
 
@@ -233,7 +261,7 @@ class SchedulerSide:
                 request = new_p.get(new.req_id)
                 if request is None:
                     continue
-                tid = p_key(new.req_id, _params(request))
+                tid = p_key(new.req_id, self._params(request))
                 if self.layers.takes(request, new):
                     count, prompt = counts.get(new.req_id, 0), prompt_print(request)
                     chunks.append(self.layers.start(new, count, tid, request, prompt))
@@ -284,7 +312,7 @@ class SchedulerSide:
     def request_finished(
         self, request: Any, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        params = _params(request)
+        params = self._params(request)
         rid = request.request_id
         if trace.ON:
             trace.mark("sched.finished", transfer_key(rid, params.get("transfer_id")), rid)
