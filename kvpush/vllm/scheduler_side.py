@@ -176,6 +176,8 @@ class SchedulerSide:
         secret = self.opts.params_secret
         if secret is None or params.get(_SEALED) == self._mark:
             return params
+        if not (params.get("do_remote_prefill") or params.get("do_remote_decode")):
+            return params  # they ask the connector for nothing
         if params.get(_SEALED) == _UNSEALED:
             return {}
         if seal.sealed(params, secret):

@@ -98,6 +98,9 @@ def test_p_and_d_act_only_on_sealed_params_when_they_have_the_secret(
         d.update_state_after_alloc(req, ([5, 6, 7],), 300 if acted else 0, block_size=128)
         registered = d.sched.build_meta().registrations
         assert [r.transfer_id for r in registered] == (["T"] if acted else []), params
+    # Params that ask for nothing are no one's concern (and not logged).
+    for other in ({}, {"other": 1}, {"do_remote_prefill": False}):
+        assert d._params(FakeRequest("cmpl-o-0-99ff0011", dict(other))) == other
     # The verdict is kept in the params: an unsealed request is checked (and logged) once.
     assert (p._unsealed, d._unsealed) == ((1, 1) if secret is not None else (0, 0))
     if secret is not None:  # a client's guess at the verdict's mark changes nothing
