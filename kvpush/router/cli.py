@@ -27,7 +27,13 @@ def _json_object(value: str) -> dict[str, Any]:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("router", help="OpenAI-compatible router over prefill and decode pools")
+    p = sub.add_parser(
+        "router",
+        help="OpenAI-compatible router over prefill and decode pools",
+        epilog="Environment: KVPUSH_PARAMS_SECRET seals every leg's kv_transfer_params; set "
+        "the same on P and D, which then act only on sealed ones (docs/operating.md, "
+        '"Trust set-up").',
+    )
     p.add_argument(
         "--prefill", action="append", default=[], help="base URL of a prefill server (repeatable)"
     )
