@@ -129,7 +129,8 @@ class Pairing:
 
     def admit(self, sender: str, reg: wire.PushReg) -> bool:
         """Whether P may serve ``reg`` at all: a decoder on the allowlist (nothing else is
-        contacted), and this engine or none named."""
+        contacted), this worker's engine a prefiller (a decoder listed as a prefiller
+        refuses at once), and this engine or none named."""
         allow = self.s.config.trusted_decoders
         where = f"{reg.decode_host}:{reg.decode_port}"
         if allow is not None and where not in allow:
@@ -142,6 +143,10 @@ class Pairing:
             )
             if sender in self.s.peers.by_agent:  # a peer we already trust can hear why
                 self.s.notify(sender, self._fail(reg, f"decoder {where} is not trusted"))
+            return False
+        if not self.s.config.prefiller:
+            self.s.stats["reg_not_prefiller"] += 1
+            self.refuse(reg, "this worker's engine is a decoder, not a prefiller")
             return False
         engine = self.s.config.engine_id
         if names_other_engine(reg.remote_engine_id, engine):

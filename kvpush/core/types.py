@@ -289,6 +289,10 @@ class WorkerConfig:
     # D keeps a receive's blocks this long after its watchdog failed it while a P rank
     # could still be writing (core/late_writes.py); None: the kernel's TCP give-up time.
     late_write_hold_s: float | None = None
+    # This worker's engine prefills for decoders (vLLM: kv_producer or kv_both). A decoder
+    # only refuses registrations at once: an operator who lists it as a prefiller would
+    # otherwise have every request wait out registration_ttl_s for blocks that never come.
+    prefiller: bool = True
 
     def __post_init__(self) -> None:
         self.shared_secret = as_secret(self.shared_secret)

@@ -87,9 +87,12 @@ class ConnectorOptions:
     def secret(self) -> Secret | None:
         return self.shared_secret
 
-    def worker_config(self, engine_id: str, tp_rank: int = 0, tp_size: int = 1) -> WorkerConfig:
+    def worker_config(
+        self, engine_id: str, tp_rank: int = 0, tp_size: int = 1, prefiller: bool = True
+    ) -> WorkerConfig:
         """One rank's worker config (raises ConfigError for a value out of range)."""
         return WorkerConfig(
+            prefiller=prefiller,
             engine_id=engine_id,
             host=self.side_channel_host,
             port=self.side_channel_port + tp_rank,

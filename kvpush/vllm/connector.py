@@ -87,7 +87,11 @@ class KVPushConnector(KVConnectorBase_V1):  # type: ignore[misc]
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
             self.worker_side = WorkerSide(
-                self.engine_id, self.opts, get_tensor_model_parallel_rank(), tp_size
+                self.engine_id,
+                self.opts,
+                get_tensor_model_parallel_rank(),
+                tp_size,
+                bool(ktc.is_kv_producer),
             )
         self._kv_cache_config = kv_cache_config
 

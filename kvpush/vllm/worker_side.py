@@ -136,8 +136,16 @@ def layout_from_tensors(
 
 
 class WorkerSide:
-    def __init__(self, engine_id: str, opts: ConnectorOptions, tp_rank: int, tp_size: int) -> None:
+    def __init__(
+        self,
+        engine_id: str,
+        opts: ConnectorOptions,
+        tp_rank: int,
+        tp_size: int,
+        prefiller: bool = True,
+    ) -> None:
         self.engine_id = engine_id
+        self.prefiller = prefiller  # its engine prefills for decoders (kv_producer, kv_both)
         self.opts = opts
         self.tp_rank = tp_rank
         self.tp_size = tp_size
@@ -160,7 +168,7 @@ class WorkerSide:
         layout = layout_from_tensors(
             kv_caches, num_blocks, block_size, self.tp_rank, self.tp_size, mla
         )
-        cfg = self.opts.worker_config(self.engine_id, self.tp_rank, self.tp_size)
+        cfg = self.opts.worker_config(self.engine_id, self.tp_rank, self.tp_size, self.prefiller)
         self._cuda = layout.mem_type == "VRAM"
         transport = NixlTransport(make_agent_name(self.engine_id, self.tp_rank))
         hook = make_peer_copy(self.opts.peer_copy, list(kv_caches.values()))

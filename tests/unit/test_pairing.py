@@ -161,6 +161,20 @@ def test_a_registration_naming_another_engine_fails_at_once(make: Callable[..., 
     pair.settle()
 
 
+def test_a_decoder_named_as_the_prefiller_refuses_at_once(make: Callable[..., Pair]) -> None:
+    """A decoder listed as a prefiller (a red-team run added one through the router's
+    admin API): it refuses the registration now, instead of holding it until
+    registration_ttl_s while its request waits (60 s)."""
+    pair = make(worker={"registration_ttl_s": 60.0}, p_kw={"worker": {"prefiller": False}})
+    start = time.monotonic()
+    pair.register(D_RID, "T", 3)
+    pair.until(lambda: "failed" in pair.d_kinds(D_RID), timeout=5, what="D fails")
+    assert time.monotonic() - start < 5
+    assert pair.p.worker.stats["reg_not_prefiller"] == 1
+    assert len(pair.p.worker.producer.pending_regs) == 0
+    pair.settle()
+
+
 def test_the_in_tree_side_channel_environment_is_read_when_kvpushs_is_not_set() -> None:
     nixl = {"VLLM_NIXL_SIDE_CHANNEL_HOST": "10.0.0.5", "VLLM_NIXL_SIDE_CHANNEL_PORT": "5901"}
     opts = ConnectorOptions.parse({}, env=nixl)
