@@ -51,7 +51,6 @@ from kvpush.router import (
     bodies,
     boundary,
     head,
-    hops,
     info,
     legs,
     replies,
@@ -183,9 +182,7 @@ async def _read(request: web.Request, path: str, chat: bool) -> Call:
     # The same request id on both legs lets P and D match each other even without
     # transfer_id support (the in-tree connectors match on it), and gives the engine
     # sub-requests of one client request the same ids on both (the connector's keys).
-    headers = {"X-Request-Id": tid, **hops.outgoing(request)}
-    if "Authorization" in request.headers:
-        headers["Authorization"] = request.headers["Authorization"]
+    headers = {"X-Request-Id": tid, **boundary.upstream_headers(request)}
     stream = isinstance(body, dict) and body.get("stream") is True
     endpoint = path.rsplit("/", 1)[-1] if not chat else "chat_completions"
     call = Call(request, path, chat, endpoint, raw, body, stream, tid, headers)

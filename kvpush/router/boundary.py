@@ -89,6 +89,13 @@ async def guard(request: web.Request, handler: Any) -> web.StreamResponse:
         count[0] -= 1
 
 
+def upstream_headers(request: web.Request) -> dict[str, str]:
+    """What every call the router makes upstream for `request` carries: the client's
+    ``Authorization`` (checked by `guard`), the routers it went through (`hops`)."""
+    auth = request.headers.get("Authorization")
+    return {**({"Authorization": auth} if auth is not None else {}), **hops.outgoing(request)}
+
+
 def _plain(value: str) -> bool:
     """Printable ASCII, spaces and tabs: the same bytes in every charset."""
     return value.isascii() and all(c == "\t" or " " <= c <= "~" for c in value)

@@ -14,7 +14,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from kvpush.router import admin, hops, legs
+from kvpush.router import admin, boundary, legs
 from kvpush.router.config import CONFIG, LIMITS, METRICS, POOL, SESSION
 
 _HEALTH_TIMEOUT_S = 5.0
@@ -28,17 +28,10 @@ def _decoder(app: web.Application) -> str | None:
     return inst.url if inst is not None else None
 
 
-def _headers(request: web.Request) -> dict[str, str]:
-    """What the router's ask of an instance for `request` carries: the client's
-    authorization, the routers it went through (`hops`)."""
-    auth = request.headers.get("Authorization")
-    return {**({"Authorization": auth} if auth is not None else {}), **hops.outgoing(request)}
-
-
 async def models(request: web.Request) -> web.StreamResponse:
     # Benchmark clients ask for the model name; every instance serves the same model.
     app = request.app
-    headers = _headers(request)
+    headers = boundary.upstream_headers(request)
     url = _decoder(app)
     if url is None:
         err = legs.LegError("decode", "connection", "no decode instance configured")
